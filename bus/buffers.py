@@ -1,0 +1,71 @@
+"""Ownership of buffers on the zero-copy send path.
+
+A tensor sent with `copy=False` is read by ZeroMQ's I/O thread after `send` returns, so it
+must not be written again until ZeroMQ is done with it; ZeroMQ says so through a
+`MessageTracker`. Two tools for the two cases in tensorbus:
+
+- `SendBuffers`: a pool of flat buffer sets for data that is written anew for every send
+  (the coordinator's snapshot of each published version). The owner `take`s a set, sends
+  it as often as it likes, then `release`s it with the trackers of those sends; `take`
+  reuses a released set once all its sends are done, so the hot path does not allocate.
+- `wait_sent`: for a buffer that is written in place between sends (a worker's gradient
+  buffer), wait, with a deadline, until the last send of it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+
+from bus.errors import PeerTimeoutError
+
+
+class Tracker(Protocol):
+    @property
+    def done(self) -> bool: ...
+
+
+class SendBuffers:
+    """Reusable buffer sets; a set is free again once every send of it is done."""
+
+    def __init__(self, allocate: Callable[[], tuple[torch.Tensor, ...]], *, keep: int = 4) -> None:
+        self._allocate = allocate
+        self._keep = keep  # free sets kept for reuse; more in flight than that are let go
+        self._free: list[tuple[torch.Tensor, ...]] = []
+        self._busy: list[tuple[tuple[torch.Tensor, ...], list[Tracker]]] = []
+
+    def take(self) -> tuple[torch.Tensor, ...]:
+        """A buffer set that no send reads; its contents are stale and must be overwritten."""
+        self._collect()
+        return self._free.pop() if self._free else self._allocate()
+
+    def release(self, buffers: tuple[torch.Tensor, ...], trackers: Iterable[Tracker | None]) -> None:
+        """The owner is done with `buffers`; they return to the pool once these sends are."""
+        self._busy.append((buffers, [t for t in trackers if t is not None and not t.done]))
+
+    def _collect(self) -> None:
+        still = []
+        for buffers, trackers in self._busy:
+            if all(t.done for t in trackers):
+                if len(self._free) < self._keep:
+                    self._free.append(buffers)
+            else:
+                still.append((buffers, trackers))
+        self._busy = still
+
+
+async def wait_sent(tracker: Tracker | None, *, timeout: float, what: str) -> None:
+    """Wait until ZeroMQ no longer reads a zero-copy frame, or raise PeerTimeoutError."""
+    if tracker is None or tracker.done:
+        return
+    deadline = time.monotonic() + timeout
+    delay = 0.0001
+    while not tracker.done:
+        if time.monotonic() > deadline:
+            raise PeerTimeoutError("ZeroMQ", f"the send of {what}", timeout)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.01)

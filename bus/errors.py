@@ -1,0 +1,102 @@
+"""Typed errors of the wire layer, each carrying its facts and the code a peer is told.
+
+A decoding error never escapes as a generic exception: every way a message can be wrong has
+a class here, and each maps to one `RejectCode` so that the coordinator can answer the sender
+with a coded Reject instead of a traceback.
+"""
+
+from __future__ import annotations
+
+from bus.messages import RejectCode
+
+
+class WireError(Exception):
+    """A message that cannot be accepted. `code` is what the sender is told."""
+
+    code: RejectCode = RejectCode.MALFORMED
+
+
+class MalformedHeaderError(WireError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"malformed header: {reason}")
+        self.reason = reason
+
+
+class ProtocolVersionError(WireError):
+    code = RejectCode.PROTOCOL
+
+    def __init__(self, got: object, expected: int) -> None:
+        super().__init__(f"protocol version {got!r}, this build speaks {expected}")
+        self.got = got
+        self.expected = expected
+
+
+class UnknownKindError(WireError):
+    code = RejectCode.UNKNOWN_KIND
+
+    def __init__(self, kind: object) -> None:
+        super().__init__(f"unknown message kind {kind!r}")
+        self.kind = kind
+
+
+class FrameCountError(WireError):
+    def __init__(self, declared: int, received: int) -> None:
+        super().__init__(f"header declares {declared} tensor frames, {received} arrived")
+        self.declared = declared
+        self.received = received
+
+
+class DtypeError(WireError):
+    code = RejectCode.DTYPE
+
+    def __init__(self, dtype: object) -> None:
+        super().__init__(f"dtype {dtype!r} is not on the allow-list")
+        self.dtype = dtype
+
+
+class ByteLengthError(WireError):
+    def __init__(self, index: int, declared: int, expected: int, received: int) -> None:
+        super().__init__(
+            f"tensor {index}: header says {declared} bytes, shape and dtype make {expected}, "
+            f"frame holds {received}"
+        )
+        self.index = index
+        self.declared = declared
+        self.expected = expected
+        self.received = received
+
+
+class LayoutError(WireError):
+    code = RejectCode.LAYOUT
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"tensors do not match the model's layout: {reason}")
+        self.reason = reason
+
+
+class MessageTooLargeError(WireError):
+    code = RejectCode.TOO_LARGE
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class PeerTimeoutError(Exception):
+    """A peer did not answer before a deadline: who, for what, and how long we waited."""
+
+    def __init__(self, peer: str, waiting_for: str, seconds: float) -> None:
+        super().__init__(f"{peer} did not answer {waiting_for} within {seconds:.1f} s")
+        self.peer = peer
+        self.waiting_for = waiting_for
+        self.seconds = seconds
+
+
+class RejectedError(Exception):
+    """The coordinator refused a request and said why."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"rejected ({code}): {detail}")
+        self.code = code
+        self.detail = detail

@@ -1,0 +1,88 @@
+"""The flat layout of a model's tensors: one contiguous buffer per dtype, views for each tensor.
+
+Gradients and weights travel as one buffer per dtype bucket, not one frame per parameter.
+A `Layout` says which named tensor sits where in which bucket; both ends derive it from the
+same model, and its digest lets the coordinator refuse a worker built from another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bus.errors import LayoutError
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bucket: int  # index into Layout.buckets
+    offset: int  # in elements, inside the bucket
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    entries: tuple[Entry, ...]
+    buckets: tuple[Bucket, ...]
+
+    @classmethod
+    def of(cls, named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
+        """Lay out tensors in the given order, grouped by dtype in order of first appearance."""
+        sizes: dict[torch.dtype, int] = {}
+        entries = []
+        for name, tensor in named:
+            offset = sizes.setdefault(tensor.dtype, 0)
+            bucket = list(sizes).index(tensor.dtype)
+            entries.append(
+                Entry(name, tensor.dtype, tuple(tensor.shape), bucket, offset, tensor.numel())
+            )
+            sizes[tensor.dtype] = offset + tensor.numel()
+        return cls(tuple(entries), tuple(Bucket(d, n) for d, n in sizes.items()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def digest(self) -> str:
+        text = ";".join(f"{e.name}:{e.dtype}:{list(e.shape)}" for e in self.entries)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def allocate(self) -> tuple[torch.Tensor, ...]:
+        """Fresh zeroed flat buffers, one per bucket."""
+        return tuple(torch.zeros(b.numel, dtype=b.dtype) for b in self.buckets)
+
+    def views(self, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each entry's tensor as a shaped view into the flat buffers (no copy)."""
+        return [
+            flat[e.bucket][e.offset : e.offset + e.numel].view(e.shape) for e in self.entries
+        ]
+
+    def check(self, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        """Raise LayoutError unless (dtype, shape) pairs are exactly this layout's buffers.
+
+        Takes descriptions, not tensors, so that the codec can check before it builds any.
+        """
+        if len(specs) != len(self.buckets):
+            raise LayoutError(f"{len(specs)} buffers, the model has {len(self.buckets)}")
+        for i, ((dtype, shape), b) in enumerate(zip(specs, self.buckets, strict=True)):
+            if dtype != b.dtype or tuple(shape) != (b.numel,):
+                raise LayoutError(
+                    f"buffer {i} is {dtype}{list(shape)}, expected {b.dtype}[{b.numel}]"
+                )

@@ -1,0 +1,184 @@
+"""The closed set of messages tensorbus nodes exchange, as frozen records.
+
+Every message shares an envelope (sender, request id, model version, tensors) and adds a few
+scalar fields of its own. Only `int`, `float`, `str` and `bool` fields exist, so that the
+codec can check every header field's type before anything is built from it. Tensors are flat
+buffers, one per dtype bucket of the model (see `bus.layout`).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.metadata
+import typing
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Final
+
+import torch
+
+PROTOCOL_VERSION: Final = 1
+
+
+def _build() -> str:
+    try:
+        return importlib.metadata.version("tensorbus")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+BUILD: Final = _build()  # this release, sent on join so that mismatched builds are named
+COORDINATOR: Final = -1  # the sender id of the coordinator; workers are 0..N-1
+
+
+class Kind(enum.IntEnum):
+    """Every message kind on the wire. The set is closed: anything else is rejected."""
+
+    JOIN = 1  # worker -> coordinator: let me in (request, answered by WELCOME or REJECT)
+    WELCOME = 2  # coordinator -> worker: your rank, the rhythm to follow, current weights
+    READY = 3  # worker -> coordinator: data loaded, count me in (answered by ACK)
+    PUSH = 4  # worker -> coordinator: an update computed on `version` (answered by ACK)
+    ACK = 5  # coordinator -> worker: request taken (or dropped, with the reason)
+    PULL = 6  # worker -> coordinator: send me the current weights (answered by WEIGHTS)
+    WEIGHTS = 7  # coordinator -> worker(s): the weights of `version` (reply or broadcast)
+    HEARTBEAT = 8  # either way: I am alive, at this version and phase
+    LEAVE = 9  # worker -> coordinator: I am going, and why
+    STOP = 10  # coordinator -> worker(s): training is over, leave
+    REJECT = 11  # coordinator -> worker: your message was refused; `code` says why
+
+
+class RejectCode(str, enum.Enum):
+    """Why a message was refused; the peer gets the code, never a traceback."""
+
+    MALFORMED = "malformed"  # header or frames are not a valid message
+    PROTOCOL = "protocol"  # the peer speaks another protocol version
+    UNKNOWN_KIND = "unknown_kind"  # the kind is not in `Kind`
+    DTYPE = "dtype"  # a tensor's dtype is not on the allow-list
+    LAYOUT = "layout"  # tensors do not match the model's registered layout
+    TOO_LARGE = "too_large"  # the message exceeds the configured size limit
+    UNKNOWN_WORKER = "unknown_worker"  # the sender has not joined (or was removed)
+    RANK_TAKEN = "rank_taken"  # the requested rank belongs to a live worker
+    FULL = "full"  # no rank is free
+    UNEXPECTED = "unexpected"  # a valid message that this node does not take now
+    NOT_FINITE = "not_finite"  # the update holds NaN or infinity
+
+
+class Phase(str, enum.Enum):
+    """What a worker is doing, as reported in its heartbeats (for logs and status)."""
+
+    JOINING = "joining"
+    LOADING = "loading"
+    COMPUTING = "computing"
+    PUSHING = "pushing"
+    WAITING = "waiting"
+    LEAVING = "leaving"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """The envelope every message carries."""
+
+    KIND: ClassVar[Kind]
+    CARRIES_TENSORS: ClassVar[bool] = False
+
+    sender: int = COORDINATOR
+    request: int = 0  # non-zero where a reply is expected; the reply echoes it
+    version: int = 0  # the model version the payload or the statement refers to
+    tensors: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Join(Message):
+    KIND = Kind.JOIN
+    rank: int = -1  # the rank asked for; -1: any free one
+    layout: str = ""  # digest of the worker's model layout; must equal the coordinator's
+    build: str = ""  # the tensorbus release of the worker
+
+
+@dataclass(frozen=True, kw_only=True)
+class Welcome(Message):
+    KIND = Kind.WELCOME
+    CARRIES_TENSORS = True
+    rank: int
+    world_size: int
+    strategy: str
+    push: str  # "gradient" or "weights": what the worker pushes
+    local_steps: int  # steps between pushes
+    wait: bool  # after a push, wait for a newer version before computing again
+    batch_size: int  # per worker, the same for all so that shards line up
+    pub_port: int  # where the coordinator publishes versions, on the same host
+    heartbeat_s: float
+    timeout_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ready(Message):
+    KIND = Kind.READY
+    batches: int  # batches per epoch of this worker's shard; -1 if unknown
+
+
+@dataclass(frozen=True, kw_only=True)
+class Push(Message):
+    KIND = Kind.PUSH
+    CARRIES_TENSORS = True
+    clock: int  # updates this worker has pushed before this one
+    loss: float  # mean training loss of the batches behind this update
+    samples: int  # samples behind this update
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack(Message):
+    KIND = Kind.ACK
+    dropped: str = ""  # empty: taken; otherwise why the update was dropped
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pull(Message):
+    KIND = Kind.PULL
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weights(Message):
+    KIND = Kind.WEIGHTS
+    CARRIES_TENSORS = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    KIND = Kind.HEARTBEAT
+    phase: str = ""
+    clock: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Leave(Message):
+    KIND = Kind.LEAVE
+    reason: str  # "done", "error", "interrupted", "stopped"
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop(Message):
+    KIND = Kind.STOP
+    reason: str = "done"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reject(Message):
+    KIND = Kind.REJECT
+    code: str
+    detail: str = ""
+
+
+ENVELOPE: Final = frozenset(f.name for f in fields(Message))
+
+
+def _field_types(cls: type[Message]) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if f.name not in ENVELOPE}
+
+
+# kind -> (record class, its own fields and their types); the codec validates against this.
+SCHEMA: Final[dict[Kind, tuple[type[Message], dict[str, type]]]] = {
+    cls.KIND: (cls, _field_types(cls))
+    for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject)
+}

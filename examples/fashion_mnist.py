@@ -1,0 +1,156 @@
+"""Fashion-MNIST with a small MLP: a tensorbus SPEC file.
+
+Trains a 784-256-128-10 MLP on the 60k Fashion-MNIST training images and
+evaluates on the 10k test images. The data comes from Debian's
+dataset-fashion-mnist package, read locally; nothing is downloaded.
+
+Run it with, for example:
+
+    tensorbus local examples/fashion_mnist.py --workers 4 --strategy sync --epochs 1 --lr 0.1
+
+A SPEC defines model(), data(), loss() and evaluate(); optimizer() is left
+out so the trainer's default (plain SGD with --lr) is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Where Debian's dataset-fashion-mnist installs the files. Change this constant
+# to read a copy from elsewhere.
+DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+# Base seed for the per-epoch shuffles; epoch e uses SEED + e.
+SEED = 0
+
+# Mean and std of the training pixels after scaling to [0, 1].
+MEAN = 0.2860
+STD = 0.3530
+
+IMAGE_MAGIC = 0x00000803  # IDX: unsigned bytes, 3 dimensions
+LABEL_MAGIC = 0x00000801  # IDX: unsigned bytes, 1 dimension
+ROWS = COLS = 28
+NUM_CLASSES = 10
+
+
+def _read_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
+    """Parse one gzip'd IDX file, checking its magic number and sizes."""
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    header = np.frombuffer(raw, dtype=">u4", count=1 + ndim)
+    if int(header[0]) != magic:
+        raise ValueError(f"{path}: bad magic number {int(header[0]):#010x}, expected {magic:#010x}")
+    shape = tuple(int(d) for d in header[1:])
+    body = np.frombuffer(raw, dtype=np.uint8, offset=4 * (1 + ndim))
+    if body.size != int(np.prod(shape)):
+        raise ValueError(f"{path}: header says shape {shape} but file holds {body.size} bytes of data")
+    return body.reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(split: str) -> tuple[Tensor, Tensor]:
+    """Load one split ("train" or "t10k") as (N x 784 float32, N int64), cached."""
+    images_path = DATA_DIR / f"{split}-images-idx3-ubyte.gz"
+    labels_path = DATA_DIR / f"{split}-labels-idx1-ubyte.gz"
+    if not (images_path.is_file() and labels_path.is_file()):
+        raise FileNotFoundError(
+            f"Fashion-MNIST not found at {DATA_DIR}: install Debian's "
+            "dataset-fashion-mnist (apt-get install dataset-fashion-mnist)"
+        )
+    images = _read_idx(images_path, IMAGE_MAGIC, 3)
+    labels = _read_idx(labels_path, LABEL_MAGIC, 1)
+    if images.shape[1:] != (ROWS, COLS):
+        raise ValueError(f"{images_path}: expected {ROWS}x{COLS} images, got {images.shape[1:]}")
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{split}: {images.shape[0]} images but {labels.shape[0]} labels")
+
+    x = torch.from_numpy(images.reshape(len(images), ROWS * COLS).astype(np.float32))
+    x = (x / 255.0 - MEAN) / STD
+    y = torch.from_numpy(labels.astype(np.int64))
+    return x.contiguous(), y.contiguous()
+
+
+class Shards:
+    """One rank's batches; each iter() is the next epoch (0, 1, 2, ...).
+
+    Every rank draws the same permutation for an epoch (it depends only on
+    the epoch) and takes its own slice of each global batch, so sync training
+    on world_size ranks matches one process using batch world_size*batch_size.
+    """
+
+    def __init__(self, x: Tensor, y: Tensor, rank: int, world_size: int, batch_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.global_batch = world_size * batch_size
+        self.num_batches = len(x) // self.global_batch  # last partial global batch is dropped
+        if self.num_batches == 0:
+            raise ValueError(
+                f"batch_size {batch_size} gives no batches: {len(x)} samples but "
+                f"global batch G = world_size*batch_size = {self.global_batch}"
+            )
+        self.x, self.y = x, y
+        self.rank, self.batch_size = rank, batch_size
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self._batches(epoch)
+
+    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        perm = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(SEED + epoch))
+        start = self.rank * self.batch_size
+        for t in range(self.num_batches):
+            lo = t * self.global_batch + start
+            idx = perm[lo : lo + self.batch_size]
+            # Advanced indexing copies, so each batch is a fresh contiguous tensor.
+            yield self.x[idx], self.y[idx]
+
+
+def model() -> nn.Module:
+    # About 235k parameters; initialised from torch's global RNG, which the caller seeds.
+    return nn.Sequential(
+        nn.Linear(ROWS * COLS, 256),
+        nn.ReLU(),
+        nn.Linear(256, 128),
+        nn.ReLU(),
+        nn.Linear(128, NUM_CLASSES),
+    )
+
+
+def data(rank: int, world_size: int, batch_size: int) -> Shards:
+    x, y = _load("train")
+    return Shards(x, y, rank, world_size, batch_size)
+
+
+def loss(output: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(output, target)
+
+
+def evaluate(model: nn.Module) -> dict[str, float]:
+    """Accuracy and mean cross-entropy on the 10k test images."""
+    x, y = _load("t10k")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(x)
+            test_loss = F.cross_entropy(logits, y).item()
+            accuracy = (logits.argmax(dim=1) == y).float().mean().item()
+    finally:
+        model.train(was_training)
+    return {"accuracy": accuracy, "test_loss": test_loss}

@@ -1,0 +1,47 @@
+"""Frozen configuration of the nodes. Built by `run/` from argv, or by hand from Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    bind: str = "tcp://127.0.0.1:0"  # port 0: a random free port
+    pub_port: int | None = None  # default: bind port + 1, or random with a random bind port
+    batch_size: int = 64  # per worker
+    steps: int | None = None  # versions to apply; or
+    epochs: int | None = None  # passes over the smallest shard (sync: one batch per version)
+    heartbeat_s: float = 0.5
+    timeout_s: float = 10.0  # a worker silent this long is removed
+    join_timeout_s: float = 300.0  # how long to wait for the first workers
+    stop_timeout_s: float = 5.0  # how long to wait for workers to leave at the end
+    metrics: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of steps and epochs")
+        for name in ("steps", "epochs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+        if not 0 < self.heartbeat_s < self.timeout_s:
+            raise ValueError(
+                f"need 0 < heartbeat_s < timeout_s, got {self.heartbeat_s} and {self.timeout_s}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    connect: str  # the coordinator's tcp://HOST:PORT
+    rank: int = -1  # -1: any free rank
+    device: str = "cpu"
+    join_timeout_s: float = 300.0  # how long to keep trying to join
+    request_timeout_s: float = 10.0  # per request (join, push, pull, leave)
+
+    def __post_init__(self) -> None:
+        if self.rank < -1:
+            raise ValueError(f"rank must be -1 (any) or at least 0, got {self.rank}")

@@ -1,0 +1,74 @@
+"""Who is training: ranks, the connection each came from, and what each was last seen doing.
+
+Liveness is decided here from times the caller passes in (no clock of its own): a member
+silent for longer than the timeout is named by `silent`, with what it was doing, so that
+the coordinator can log it and remove it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bus.messages import Phase, RejectCode
+
+
+@dataclass
+class Member:
+    rank: int
+    identity: bytes  # the ROUTER identity of its connection
+    last_seen: float
+    phase: str = Phase.JOINING.value
+    version: int = 0  # the version it last reported working on
+    clock: int = 0  # updates it has pushed
+    ready: bool = False  # has loaded its data and counts for the strategy
+    batches: int = -1  # batches per epoch of its shard; -1 unknown
+
+    def describe(self) -> str:
+        return f"worker {self.rank} (phase {self.phase}, version {self.version}, clock {self.clock})"
+
+
+class Membership:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._by_rank: dict[int, Member] = {}
+        self._by_identity: dict[bytes, Member] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_rank)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._by_rank.values()))
+
+    def get(self, identity: bytes) -> Member | None:
+        return self._by_identity.get(identity)
+
+    def join(self, identity: bytes, rank: int, now: float) -> Member | RejectCode:
+        """Admit a worker, or say why not. Joining again from the same connection is a no-op."""
+        known = self._by_identity.get(identity)
+        if known is not None and rank in (-1, known.rank):
+            known.last_seen = now
+            return known
+        if rank == -1:
+            free = [r for r in range(self.world_size) if r not in self._by_rank]
+            if not free:
+                return RejectCode.FULL
+            rank = free[0]
+        elif rank >= self.world_size:
+            return RejectCode.FULL
+        elif rank in self._by_rank:
+            return RejectCode.RANK_TAKEN
+        member = Member(rank=rank, identity=identity, last_seen=now)
+        self._by_rank[rank] = member
+        self._by_identity[identity] = member
+        return member
+
+    def remove(self, member: Member) -> None:
+        self._by_rank.pop(member.rank, None)
+        self._by_identity.pop(member.identity, None)
+
+    def silent(self, now: float, timeout_s: float) -> list[Member]:
+        return [m for m in self._by_rank.values() if now - m.last_seen > timeout_s]
+
+    def clock_gap(self) -> int:
+        clocks = [m.clock for m in self._by_rank.values() if m.ready]
+        return max(clocks) - min(clocks) if clocks else 0

@@ -1,0 +1,319 @@
+"""A worker: joins, trains on its shard with compute off the event loop, pushes, follows versions.
+
+Three tasks share one loop: the training loop, `_replies` (answers on the DEALER, matched
+to requests by id) and `_broadcasts` (versions, heartbeats and stop on the SUB), plus a
+heartbeat sender. Compute (data, forward, backward) runs in a thread, so heartbeats go on
+while it runs. Weights are only loaded between computes, on the loop, from the newest
+version seen: a missed broadcast is noticed from the coordinator's heartbeats, which carry
+its version, and fetched with a Pull (the clone pattern).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sized
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from bus.buffers import Tracker, wait_sent
+from bus.codec import decode, encode
+from bus.deadline import within
+from bus.errors import PeerTimeoutError, RejectedError, WireError
+from bus.messages import (
+    BUILD, Ack, Heartbeat, Join, Leave, Message, Phase, Pull, Push, Ready, Reject, Stop,
+    Weights, Welcome,
+)
+from bus.transport import ZmqClient
+from nodes.config import WorkerConfig
+from nodes.flat import FlatModel
+
+log = logging.getLogger("tensorbus.worker")
+
+Data = Callable[[int, int, int], Iterable[Any]]
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DataError(Exception):
+    """The SPEC's data() failed or yielded something unusable; the message says what."""
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    rank: int
+    pushes: int
+    last_loss: float | None
+    final_version: int
+
+
+class _Stopped(Exception):
+    """The coordinator said training is over."""
+
+
+class Worker:
+    def __init__(self, *, model: nn.Module, data: Data, loss: Loss, config: WorkerConfig) -> None:
+        if config.device != "cpu":
+            raise ValueError(f"device {config.device!r}: only cpu workers exist in this release")
+        self.config = config
+        self.flat = FlatModel(model)
+        self._model = model
+        self._data = data
+        self._loss = loss
+        self._client: ZmqClient | None = None
+        self._requests = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self.rank = config.rank
+        self.phase = Phase.JOINING
+        self.version = 0  # the version of the weights in the model now
+        self.clock = 0  # pushes made
+        self._latest: Weights | None = None  # newest weights received, not yet loaded
+        self._newer = asyncio.Event()
+        self._stopped = False
+        self._coordinator_version = 0
+        self._coordinator_seen = time.monotonic()
+        self._heartbeat_s = 0.5
+        self._timeout_s = 10.0
+        self._last_loss: float | None = None
+
+    async def run(self) -> WorkerReport:
+        self._client = ZmqClient(self.config.connect, max_message_bytes=self.flat.layout.nbytes + 65536)
+        tasks = [asyncio.create_task(self._replies())]
+        try:
+            welcome = await self._join()
+            self._client.subscribe(welcome.pub_port)
+            tasks += [asyncio.create_task(c) for c in (self._broadcasts(), self._heartbeats())]
+            try:
+                await self._train(welcome)
+            except _Stopped:
+                pass
+            except Exception as e:
+                await self._leave("error", str(e))
+                raise
+            await self._leave("stopped", "")
+            return WorkerReport(self.rank, self.clock, self._last_loss, self.version)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._client.close()
+
+    def _enter(self, phase: Phase) -> None:
+        log.debug("worker %d: %s -> %s", self.rank, self.phase.value, phase.value)
+        self.phase = phase
+
+    # Joining -------------------------------------------------------------------------------
+
+    async def _join(self) -> Welcome:
+        """Ask to join until admitted, refused, or out of time (the coordinator may start later)."""
+        deadline = time.monotonic() + self.config.join_timeout_s
+        wait = 1.0
+        while True:
+            join = Join(sender=self.rank, rank=self.config.rank, layout=self.flat.layout.digest, build=BUILD)
+            try:
+                reply = await self._request(join, timeout=min(wait, max(deadline - time.monotonic(), 0.1)))
+            except PeerTimeoutError:
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(
+                        f"coordinator at {self.config.connect}", "join", self.config.join_timeout_s
+                    ) from None
+                wait = min(wait * 2, 10.0)
+                continue
+            if not isinstance(reply, Welcome):
+                raise RejectedError("unexpected", f"join answered by {reply.KIND.name}")
+            self.rank = reply.rank
+            self.version = reply.version
+            self.flat.load(reply.tensors)
+            self._heartbeat_s, self._timeout_s = reply.heartbeat_s, reply.timeout_s
+            self._coordinator_seen = time.monotonic()
+            log.info("worker %d joined at version %d (%s)", self.rank, self.version, reply.strategy)
+            return reply
+
+    # Training ------------------------------------------------------------------------------
+
+    async def _train(self, welcome: Welcome) -> None:
+        self._enter(Phase.LOADING)
+        shards = await asyncio.to_thread(self._load, welcome)
+        batches = len(shards) if isinstance(shards, Sized) else -1
+        await self._request(Ready(sender=self.rank, version=self.version, batches=batches))
+        batch_iter = _Epochs(shards, self._describe_data(welcome))
+        sent: Tracker | None = None
+        while True:
+            self._load_latest()
+            # The gradient buffer is written by the next backward: the last send must be done.
+            await wait_sent(sent, timeout=self._timeout_s, what="the last gradient")
+            self._enter(Phase.COMPUTING)
+            loss, samples = await asyncio.to_thread(self._compute, batch_iter)
+            self._last_loss = loss
+            self._enter(Phase.PUSHING)
+            computed_on = self.version
+            push = Push(sender=self.rank, version=computed_on, clock=self.clock, loss=loss,
+                        samples=samples, tensors=self.flat.grads)
+            ack, sent = await self._request_tracked(push)
+            self.clock += 1
+            if isinstance(ack, Ack) and ack.dropped:
+                log.info("worker %d: update on version %d dropped (%s)", self.rank, computed_on, ack.dropped)
+            if welcome.wait:
+                self._enter(Phase.WAITING)
+                await self._await_version(newer_than=computed_on)
+
+    def _load(self, welcome: Welcome) -> Iterable[Any]:
+        try:
+            return self._data(self.rank, welcome.world_size, welcome.batch_size)
+        except Exception as e:
+            raise DataError(f"{self._describe_data(welcome)} raised {type(e).__name__}: {e}") from e
+
+    def _describe_data(self, welcome: Welcome) -> str:
+        return f"data(rank={self.rank}, world_size={welcome.world_size}, batch_size={welcome.batch_size})"
+
+    def _compute(self, batches: _Epochs) -> tuple[float, int]:
+        """One gradient into the flat buffer. Runs in a thread: touches only the model."""
+        inputs, targets = batches.next()
+        self.flat.zero_grad()
+        loss = self._loss(self._model(inputs), targets)
+        loss.backward()
+        self.flat.gather_grads()
+        return float(loss.detach()), len(inputs)
+
+    def _load_latest(self) -> None:
+        if self._latest is not None and self._latest.version > self.version:
+            self.flat.load(self._latest.tensors)
+            self.version = self._latest.version
+        self._latest = None  # drop the frames as soon as they are copied
+
+    async def _await_version(self, *, newer_than: int) -> None:
+        """Wait for a version past `newer_than`, pulling it if the broadcast was missed."""
+        while not (self._latest and self._latest.version > newer_than):
+            if self._stopped:
+                raise _Stopped
+            self._newer.clear()
+            try:
+                await asyncio.wait_for(self._newer.wait(), self._heartbeat_s * 2)
+            except TimeoutError:
+                pass
+            silent = time.monotonic() - self._coordinator_seen
+            if silent > self._timeout_s:
+                raise PeerTimeoutError(
+                    f"coordinator at {self.config.connect}", f"version {newer_than + 1}", silent
+                )
+            latest = self._latest.version if self._latest else self.version
+            if self._coordinator_version > max(latest, newer_than):
+                reply = await self._request(Pull(sender=self.rank, version=latest))
+                if isinstance(reply, Weights):
+                    self._keep_newest(reply)
+
+    def _keep_newest(self, weights: Weights) -> None:
+        if weights.version > max(self.version, self._latest.version if self._latest else -1):
+            self._latest = weights
+            self._newer.set()
+
+    # Talking to the coordinator ------------------------------------------------------------
+
+    async def _request(self, message: Message, *, timeout: float | None = None) -> Message:
+        reply, _ = await self._request_tracked(message, timeout=timeout)
+        return reply
+
+    async def _request_tracked(
+        self, message: Message, *, timeout: float | None = None
+    ) -> tuple[Message, Tracker | None]:
+        assert self._client is not None
+        request = next(self._requests)
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[request] = future
+        try:
+            tracker = await self._client.send(encode(replace(message, request=request)))
+            seconds = timeout if timeout is not None else self.config.request_timeout_s
+            reply = await within(future, seconds, peer=f"coordinator at {self.config.connect}",
+                                 waiting_for=f"{message.KIND.name.lower()} (request {request})")
+        finally:
+            self._pending.pop(request, None)
+        match reply:
+            case Stop():
+                self._stopped = True
+                raise _Stopped
+            case Reject(code=code, detail=detail):
+                raise RejectedError(code, detail)
+        return reply, tracker
+
+    async def _replies(self) -> None:
+        assert self._client is not None
+        while True:
+            frames = await self._client.recv()
+            try:
+                message = decode(frames, layout=self.flat.layout)
+            except WireError as e:
+                log.warning("worker %d: bad reply from the coordinator: %s", self.rank, e)
+                continue
+            self._coordinator_seen = time.monotonic()
+            future = self._pending.get(message.request)
+            if future is not None and not future.done():
+                future.set_result(message)
+            elif isinstance(message, Reject):
+                log.warning("worker %d: the coordinator refused a message: %s: %s",
+                            self.rank, message.code, message.detail)
+
+    async def _broadcasts(self) -> None:
+        assert self._client is not None
+        while True:
+            frames = await self._client.recv_broadcast()
+            try:
+                message = decode(frames, layout=self.flat.layout)
+            except WireError as e:
+                log.warning("worker %d: bad broadcast: %s", self.rank, e)
+                continue
+            self._coordinator_seen = time.monotonic()
+            self._coordinator_version = max(self._coordinator_version, message.version)
+            match message:
+                case Weights():
+                    self._keep_newest(message)
+                case Heartbeat() if message.version > self.version:
+                    self._newer.set()  # maybe a missed broadcast: let the waiter look
+                case Stop():
+                    self._stopped = True
+                    self._newer.set()
+
+    async def _heartbeats(self) -> None:
+        assert self._client is not None
+        while True:
+            beat = Heartbeat(sender=self.rank, version=self.version, phase=self.phase.value, clock=self.clock)
+            await self._client.send(encode(beat))
+            await asyncio.sleep(self._heartbeat_s)
+
+    async def _leave(self, reason: str, detail: str) -> None:
+        """Say goodbye, briefly: the coordinator may already be gone."""
+        self._enter(Phase.LEAVING)
+        try:
+            await self._request(Leave(sender=self.rank, version=self.version, reason=reason,
+                                      detail=detail[:1000]), timeout=2.0)
+        except (PeerTimeoutError, RejectedError, _Stopped):
+            pass
+
+
+class _Epochs:
+    """Batches from a re-iterable shard, epoch after epoch, checked for shape."""
+
+    def __init__(self, shards: Iterable[Any], described: str) -> None:
+        self._shards = shards
+        self._described = described
+        self._it: Iterator[Any] = iter(shards)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._it = iter(self._shards)
+                batch = next(self._it)
+        except StopIteration:
+            raise DataError(f"{self._described} yielded no batches") from None
+        except Exception as e:
+            raise DataError(f"iterating {self._described} raised {type(e).__name__}: {e}") from e
+        if not (isinstance(batch, tuple | list) and len(batch) == 2
+                and all(isinstance(t, torch.Tensor) for t in batch)):
+            raise DataError(f"{self._described} must yield (input, target) tensor pairs, "
+                            f"got {type(batch).__name__}")
+        return batch[0], batch[1]

@@ -1,0 +1,7 @@
+"""`python -m run ...` is `tensorbus ...` (how `local` starts its workers)."""
+
+import sys
+
+from run.cli import main
+
+sys.exit(main())

@@ -1,0 +1,179 @@
+"""The `tensorbus` command: `local`, `coordinator` and `worker`. The only reader of argv.
+
+Every failure a user can cause ends with one line on stderr, `tensorbus: error: ...`
+(a worker's says `error: ...`, for its launcher to pick up), and a non-zero exit status:
+2 for bad arguments or SPEC, 1 for a run that failed, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bus.errors import PeerTimeoutError, RejectedError
+from bus.transport import new_event_loop, split_endpoint
+from nodes.config import WorkerConfig
+from nodes.coordinator import TrainingError
+from nodes.worker import DataError, Worker
+from run.local import LocalRunError, launch_local
+from run.options import STRATEGIES, RunOptions, make_coordinator
+from run.progress import ProgressLine
+from run.spec import SpecError, load_spec
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {args.command} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    error_prefix = "error: " if args.command == "worker" else "tensorbus: error: "
+    try:
+        return {"local": _local, "coordinator": _coordinator, "worker": _worker}[args.command](args)
+    except KeyboardInterrupt:
+        print(f"{error_prefix}interrupted", file=sys.stderr)
+        return 130
+    except (SpecError, ValueError) as e:
+        print(f"{error_prefix}{e}", file=sys.stderr)
+        return 2
+    except (TrainingError, LocalRunError, DataError, PeerTimeoutError, RejectedError, OSError) as e:
+        print(f"{error_prefix}{e}", file=sys.stderr)
+        return 1
+
+
+def _local(args: argparse.Namespace) -> int:
+    progress = ProgressLine(sys.stderr) if not args.no_progress else None
+    try:
+        summary = launch_local(
+            args.spec, _run_options(args), on_step=progress, threads=args.threads,
+            log_level=args.log_level,
+        )
+    finally:
+        if progress:
+            progress.close()
+    _print_summary(summary)
+    return 0
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    host, port = split_endpoint(args.bind)
+    if not args.insecure and not _is_loopback(host):
+        raise ValueError(
+            f"--bind {args.bind} is not a loopback address and this release has no CURVE keys: "
+            "anyone who can reach it can join; pass --insecure to accept that"
+        )
+    spec = load_spec(args.spec)
+    progress = ProgressLine(sys.stderr) if not args.no_progress else None
+    coordinator = make_coordinator(spec, _run_options(args), bind=args.bind,
+                                   pub_port=args.pub_port, on_step=progress)
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            summary = runner.run(coordinator.run())
+    finally:
+        if progress:
+            progress.close()
+    _print_summary(summary)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    split_endpoint(args.connect)
+    config = WorkerConfig(connect=args.connect, rank=args.rank, device=_device(args.device),
+                          join_timeout_s=args.join_timeout)
+    worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config)
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        report = runner.run(worker.run())
+    logging.getLogger("tensorbus.worker").info(
+        "worker %d done: %d pushes, last loss %s", report.rank, report.pushes, report.last_loss
+    )
+    return 0
+
+
+def _run_options(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(
+        workers=args.workers, strategy=args.strategy, steps=args.steps, epochs=args.epochs,
+        batch_size=args.batch_size, lr=args.lr, seed=args.seed, metrics=args.metrics,
+        heartbeat_s=args.heartbeat, timeout_s=args.timeout, join_timeout_s=args.join_timeout,
+    )
+
+
+def _device(name: str) -> str:
+    if name in ("auto", "cpu"):
+        return "cpu"  # GPU workers are not in this release; auto means the CPU here
+    raise ValueError(f"--device {name}: only cpu workers exist in this release")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    print(json.dumps(summary, indent=1), flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tensorbus", description="Train one PyTorch model on many processes over ZeroMQ."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("spec", help="a SPEC: a Python file or module:object")
+        p.add_argument("--threads", type=int, default=None, help="torch threads per process")
+        p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+
+    def training(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--workers", type=int, required=True, help="workers to train with")
+        p.add_argument("--strategy", choices=sorted(STRATEGIES), default="sync")
+        length = p.add_mutually_exclusive_group()
+        length.add_argument("--steps", type=int, help="versions to apply")
+        length.add_argument("--epochs", type=int, help="passes over each worker's shard (default 1)")
+        p.add_argument("--batch-size", type=int, default=64, help="per worker (default 64)")
+        p.add_argument("--lr", type=float, default=0.05, help="for the default SGD (default 0.05)")
+        p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
+        p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
+        p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+        p.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
+        p.add_argument("--join-timeout", type=float, default=300.0, help="wait this long for workers")
+        p.add_argument("--no-progress", action="store_true", help="no progress line")
+
+    local = commands.add_parser("local", help="a coordinator and N workers on this machine")
+    common(local)
+    training(local)
+
+    coordinator = commands.add_parser("coordinator", help="the coordinator alone")
+    common(coordinator)
+    training(coordinator)
+    coordinator.add_argument("--bind", required=True, help="tcp://HOST:PORT for requests")
+    coordinator.add_argument("--pub-port", type=int, help="broadcast port (default PORT+1)")
+    coordinator.add_argument("--insecure", action="store_true",
+                             help="allow a non-loopback --bind without keys")
+
+    worker = commands.add_parser("worker", help="one worker")
+    common(worker)
+    worker.add_argument("--connect", required=True, help="the coordinator's tcp://HOST:PORT")
+    worker.add_argument("--rank", type=int, default=-1, help="rank to ask for (default: any)")
+    worker.add_argument("--device", default="auto", help="auto or cpu")
+    worker.add_argument("--join-timeout", type=float, default=300.0,
+                        help="keep trying to join this long")
+    return parser

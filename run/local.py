@@ -1,0 +1,131 @@
+"""`launch_local`: a coordinator in this process and N worker processes on this machine.
+
+Workers are real processes (`python -m run worker ...`) talking to the coordinator over tcp
+loopback. Their stderr is relayed line by line with a `[worker R]` prefix; a worker that
+fails ends the whole run at once with its one-line error, since nobody would replace it
+here. Every worker is reaped in `finally`, and each is also told by the kernel to die with
+this process (PR_SET_PDEATHSIG), so none outlives a launcher that is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bus.transport import new_event_loop
+from nodes.coordinator import Progress
+from run.options import RunOptions, make_coordinator
+from run.spec import load_spec
+
+log = logging.getLogger("tensorbus.local")
+
+ERROR_PREFIX = "error: "  # how a worker's last word starts (see run.cli)
+REAP_TIMEOUT_S = 10.0
+
+
+class LocalRunError(Exception):
+    """The local run failed; the message is one line saying which process and why."""
+
+
+def launch_local(
+    spec: str | Path,
+    options: RunOptions,
+    *,
+    on_step: Callable[[Progress], None] | None = None,
+    threads: int | None = None,
+    log_level: str = "warning",
+) -> dict[str, Any]:
+    """Train with a coordinator here and `options.workers` worker processes; return the summary."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(_launch(str(spec), options, on_step, threads, log_level))
+
+
+async def _launch(
+    spec_source: str,
+    options: RunOptions,
+    on_step: Callable[[Progress], None] | None,
+    threads: int | None,
+    log_level: str,
+) -> dict[str, Any]:
+    spec = load_spec(spec_source)  # fail here, before any process starts
+    coordinator = make_coordinator(spec, options, bind="tcp://127.0.0.1:0", on_step=on_step)
+    endpoint = coordinator.bind()
+    per_worker = threads or max(1, (os.cpu_count() or 1) // options.workers)
+    workers: list[asyncio.subprocess.Process] = []
+    failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    relays = []
+    try:
+        for rank in range(options.workers):
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "run", "worker", spec_source, "--connect", endpoint,
+                "--rank", str(rank), "--threads", str(per_worker), "--log-level", log_level,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                preexec_fn=_die_with_parent,
+            )
+            workers.append(process)
+            relays.append(asyncio.create_task(_relay(rank, process, failure)))
+        training = asyncio.create_task(coordinator.run())
+        await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
+        if failure.done():
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+            raise LocalRunError(failure.result())
+        summary = training.result()
+        await _reap(workers, timeout=REAP_TIMEOUT_S)
+        return summary
+    finally:
+        await _reap(workers, timeout=0.0)
+        for relay in relays:
+            relay.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+
+
+async def _relay(rank: int, process: asyncio.subprocess.Process, failure: asyncio.Future[str]) -> None:
+    """Copy a worker's stderr to ours; if it exits non-zero, report its last word."""
+    assert process.stderr is not None
+    last_error = ""
+    tail: list[str] = []
+    async for raw in process.stderr:
+        line = raw.decode(errors="replace").rstrip()
+        if line.startswith(ERROR_PREFIX):
+            last_error = line[len(ERROR_PREFIX):]
+            continue
+        tail = (tail + [line])[-5:]
+        if not failure.done():
+            print(f"[worker {rank}] {line}", file=sys.stderr, flush=True)
+    code = await process.wait()
+    if code != 0 and not failure.done():
+        why = last_error or (tail[-1] if tail else "no message")
+        failure.set_result(f"worker {rank} failed (exit status {code}): {why}")
+
+
+async def _reap(processes: list[asyncio.subprocess.Process], *, timeout: float) -> None:
+    """Wait up to `timeout` for processes to exit, then terminate, then kill what is left."""
+    alive = [p for p in processes if p.returncode is None]
+    if alive and timeout > 0:
+        await asyncio.wait([asyncio.create_task(p.wait()) for p in alive], timeout=timeout)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in processes if p.returncode is None]
+        if not alive:
+            return
+        for p in alive:
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+        await asyncio.wait([asyncio.create_task(p.wait()) for p in alive], timeout=3.0)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask the kernel for SIGTERM when the launcher dies."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
