@@ -118,7 +118,7 @@ def decode(
         received = memoryview(frame).nbytes
         if received != nbytes:
             raise ByteLengthError(i, nbytes, nbytes, received)
-    if layout is not None and specs:
+    if layout is not None and cls.CARRIES_TENSORS and (specs or not cls.TENSORS_OPTIONAL):
         layout.check([(dtype, shape) for dtype, shape, _ in specs])
     tensors = tuple(
         _tensor(frame, dtype, shape) for (dtype, shape, _), frame in zip(specs, frames[1:])
@@ -147,7 +147,7 @@ def _unpack_header(frame: Buffer) -> dict[str, Any]:
         raise MalformedHeaderError(f"header is a {type(header).__name__}, not a map")
     # The protocol version is read first: a peer of another version may lay out the rest
     # differently, and it should be told the version is wrong, not that its header is.
-    if header.get("p") != PROTOCOL_VERSION:
+    if type(header.get("p")) is not int or header["p"] != PROTOCOL_VERSION:
         raise ProtocolVersionError(header.get("p"), PROTOCOL_VERSION)
     if set(header) != _HEADER_KEYS:
         raise MalformedHeaderError(f"header keys {sorted(header)}, expected {sorted(_HEADER_KEYS)}")

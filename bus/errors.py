@@ -56,9 +56,10 @@ class DtypeError(WireError):
 
 class ByteLengthError(WireError):
     def __init__(self, index: int, declared: int, expected: int, received: int) -> None:
+        # received < 0: the header contradicts itself, checked before any frame is read
+        held = f", frame holds {received}" if received >= 0 else ""
         super().__init__(
-            f"tensor {index}: header says {declared} bytes, shape and dtype make {expected}, "
-            f"frame holds {received}"
+            f"tensor {index}: header says {declared} bytes, shape and dtype make {expected}{held}"
         )
         self.index = index
         self.declared = declared

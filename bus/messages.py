@@ -79,6 +79,7 @@ class Message:
 
     KIND: ClassVar[Kind]
     CARRIES_TENSORS: ClassVar[bool] = False
+    TENSORS_OPTIONAL: ClassVar[bool] = False  # may come with none at all (see Weights)
 
     sender: int = COORDINATOR
     request: int = 0  # non-zero where a reply is expected; the reply echoes it
@@ -140,6 +141,7 @@ class Pull(Message):
 class Weights(Message):
     KIND = Kind.WEIGHTS
     CARRIES_TENSORS = True
+    TENSORS_OPTIONAL = True  # none: "you have the newest", the answer to a Pull of it
 
 
 @dataclass(frozen=True, kw_only=True)

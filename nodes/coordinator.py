@@ -208,15 +208,22 @@ class Coordinator:
             return
         match message:
             case Heartbeat(phase=phase, clock=clock, version=version):
-                member.phase, member.clock, member.version = phase, clock, version
+                # A beat sent just before a push may arrive after it: never move backwards.
+                member.phase = phase
+                member.clock = max(member.clock, clock)
+                member.version = max(member.version, version)
             case Ready(batches=batches):
                 member.ready, member.batches = True, batches
                 await self._reply(peer, Ack(request=message.request, version=self.version))
                 await self._carry_out(self.strategy.handle(Joined(member.rank, now)))
             case Push():
                 await self._push(peer, member, message, now)
-            case Pull():
-                await self._send_weights(peer, Weights(request=message.request))
+            case Pull(version=have):
+                if self._snapshot is not None and have >= self._snapshot.version:
+                    # Nothing newer: say so without resending the model.
+                    await self._reply(peer, Weights(request=message.request, version=self.version))
+                else:
+                    await self._send_weights(peer, Weights(request=message.request))
             case Leave(reason=reason, detail=detail):
                 await self._reply(peer, Ack(request=message.request, version=self.version))
                 self._depart(member, f"left ({reason}{': ' + detail if detail else ''})")
@@ -376,8 +383,6 @@ class Coordinator:
         if self.state is State.TRAINING and len(self._members) == 0:
             why = "; ".join(self._errors) or "they left or went silent"
             raise TrainingError(f"all workers are gone at version {self.version}: {why}")
-        if self.state is State.STARTING and self._errors and len(self._members) == 0:
-            raise TrainingError(f"workers failed before training began: {'; '.join(self._errors)}")
         if self.state is State.STOPPING and (len(self._members) == 0 or now > self._stop_deadline):
             if len(self._members):
                 log.warning("%d worker(s) did not leave in time", len(self._members))

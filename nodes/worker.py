@@ -87,20 +87,18 @@ class Worker:
             welcome = await self._join()
             self._client.subscribe(welcome.pub_port)
             tasks += [asyncio.create_task(c) for c in (self._broadcasts(), self._heartbeats())]
-            try:
-                await self._train(welcome)
-            except _Stopped:
-                pass
-            except Exception as e:
-                await self._leave("error", str(e))
-                raise
+            await self._train(welcome)
+        except _Stopped:
             await self._leave("stopped", "")
-            return WorkerReport(self.rank, self.clock, self._last_loss, self.version)
+        except Exception as e:
+            await self._leave("error", str(e))
+            raise
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._client.close()
+        return WorkerReport(self.rank, self.clock, self._last_loss, self.version)
 
     def _enter(self, phase: Phase) -> None:
         log.debug("worker %d: %s -> %s", self.rank, self.phase.value, phase.value)
@@ -153,8 +151,8 @@ class Worker:
             computed_on = self.version
             push = Push(sender=self.rank, version=computed_on, clock=self.clock, loss=loss,
                         samples=samples, tensors=self.flat.grads)
+            self.clock += 1  # counted when sent, so that heartbeats from now on include it
             ack, sent = await self._request_tracked(push)
-            self.clock += 1
             if isinstance(ack, Ack) and ack.dropped:
                 log.info("worker %d: update on version %d dropped (%s)", self.rank, computed_on, ack.dropped)
             if welcome.wait:
@@ -193,17 +191,20 @@ class Worker:
             self._newer.clear()
             try:
                 await asyncio.wait_for(self._newer.wait(), self._heartbeat_s * 2)
+                quiet = False
             except TimeoutError:
-                pass
+                quiet = True
             silent = time.monotonic() - self._coordinator_seen
             if silent > self._timeout_s:
                 raise PeerTimeoutError(
                     f"coordinator at {self.config.connect}", f"version {newer_than + 1}", silent
                 )
-            latest = self._latest.version if self._latest else self.version
-            if self._coordinator_version > max(latest, newer_than):
-                reply = await self._request(Pull(sender=self.rank, version=latest))
-                if isinstance(reply, Weights):
+            have = max(self.version, self._latest.version if self._latest else -1)
+            # Two quiet heartbeat periods, or a heartbeat announcing a version we lack: ask.
+            # A Pull for what we have is answered without tensors, so asking is cheap.
+            if quiet or self._coordinator_version > have:
+                reply = await self._request(Pull(sender=self.rank, version=have))
+                if isinstance(reply, Weights) and reply.tensors:
                     self._keep_newest(reply)
 
     def _keep_newest(self, weights: Weights) -> None:
@@ -249,6 +250,7 @@ class Worker:
                 log.warning("worker %d: bad reply from the coordinator: %s", self.rank, e)
                 continue
             self._coordinator_seen = time.monotonic()
+            self._coordinator_version = max(self._coordinator_version, message.version)
             future = self._pending.get(message.request)
             if future is not None and not future.done():
                 future.set_result(message)

@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
         length.add_argument("--steps", type=int, help="versions to apply")
         length.add_argument("--epochs", type=int, help="passes over each worker's shard (default 1)")
         p.add_argument("--batch-size", type=int, default=64, help="per worker (default 64)")
-        p.add_argument("--lr", type=float, default=0.05, help="for the default SGD (default 0.05)")
+        p.add_argument("--lr", type=float, default=0.1, help="for the default SGD (default 0.1)")
         p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
         p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
         p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")

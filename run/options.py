@@ -26,7 +26,7 @@ class RunOptions:
     steps: int | None = None
     epochs: int | None = None  # neither steps nor epochs: one epoch
     batch_size: int = 64
-    lr: float = 0.05
+    lr: float = 0.1
     seed: int = 0
     metrics: Path | None = None
     heartbeat_s: float = 0.5

@@ -15,6 +15,7 @@ class ProgressLine:
         self._every = every_s if self._tty else log_every_s
         self._last = 0.0
         self._shown = False
+        self._origin: tuple[float, int, int] | None = None  # (wall_s, version, samples) at first
 
     def __call__(self, p: Progress) -> None:
         now = time.monotonic()
@@ -22,14 +23,19 @@ class ProgressLine:
         if now - self._last < self._every and not final:
             return
         self._last = now
-        rate = p.version / p.wall_s if p.wall_s > 0 else 0.0
+        # Rates from the first step on: start-up (workers importing torch) is not training.
+        if self._origin is None:
+            self._origin = (p.wall_s, p.version, p.samples)
+        elapsed = p.wall_s - self._origin[0]
+        rate = (p.version - self._origin[1]) / elapsed if elapsed > 0 else 0.0
+        sample_rate = (p.samples - self._origin[2]) / elapsed if elapsed > 0 else 0.0
         line = f"v{p.version}"
         if p.target:
             done = p.version / p.target
             bar = "#" * int(done * 24)
-            eta = (p.target - p.version) / rate if rate else 0.0
+            eta = (p.target - p.version) / rate if rate else float("nan")
             line = f"[{bar:<24}] {p.version}/{p.target}  eta {_clock(eta)}"
-        line += f"  {rate:.1f} steps/s  {p.samples / p.wall_s if p.wall_s else 0:.0f} samples/s"
+        line += f"  {rate:.1f} steps/s  {sample_rate:.0f} samples/s"
         line += f"  loss {p.loss:.4f}"
         if self._tty:
             self._stream.write("\r" + line + "\x1b[K")
@@ -46,5 +52,7 @@ class ProgressLine:
 
 
 def _clock(seconds: float) -> str:
+    if seconds != seconds:  # NaN: no rate yet
+        return "?"
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes}:{secs:02d}"

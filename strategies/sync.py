@@ -35,7 +35,7 @@ class Sync(Strategy):
 
     def __init__(self, *, workers: int, version: int = 0, stall_after_s: float = 30.0) -> None:
         super().__init__(workers=workers)
-        if stall_after_s <= 0:
+        if not stall_after_s > 0:  # also refuses NaN
             raise ValueError(f"stall_after_s must be positive, got {stall_after_s}")
         self.version = version  # the version being built
         self.stall_after_s = stall_after_s

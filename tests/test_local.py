@@ -1,0 +1,141 @@
+"""Multi-process: the `tensorbus` command as a user runs it, with real worker processes.
+
+Each test copies its SPEC to a path of its own, so that it can check afterwards that no
+process naming that path is left running; every process started here is killed in finally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = ROOT / "examples" / "digits.py"
+TENSORBUS = [sys.executable, "-m", "run"]
+FAST = ["--threads", "1", "--no-progress", "--heartbeat", "0.2", "--timeout", "5"]
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*TENSORBUS, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _left_running(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def _spec(tmp_path: Path, name: str, text: str | None = None) -> Path:
+    path = tmp_path / f"{name}.py"
+    if text is None:
+        shutil.copy(DIGITS, path)
+    else:
+        path.write_text(text)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_local_trains_and_writes_the_summary(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "digits_local")
+    metrics = tmp_path / "m.jsonl"
+    result = _run(["local", str(spec), "--workers", "3", "--strategy", "sync", "--steps", "40",
+                   "--batch-size", "16", "--lr", "0.3", "--metrics", str(metrics), *FAST])
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    summary = lines[-1]
+    assert summary["event"] == "summary"
+    assert json.loads(result.stdout) == summary
+    for key in ("strategy", "workers", "steps", "wall_s", "final_loss", "dropped",
+                "max_staleness", "max_clock_gap", "accuracy"):
+        assert key in summary, key
+    assert (summary["strategy"], summary["workers"], summary["steps"]) == ("sync", 3, 40)
+    assert [r["version"] for r in lines if r["event"] == "step"] == list(range(1, 41))
+    assert summary["accuracy"] > 0.5  # 40 steps of 48 samples learn digits well past chance
+    assert _left_running(str(spec)) == []
+
+
+def test_a_spec_without_model_fails_in_one_line(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "no_model", "def data(r, w, b):\n    return []\n\n"
+                                       "def loss(o, t):\n    return o\n")
+    result = _run(["local", str(spec), "--workers", "2", "--steps", "3", *FAST])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tensorbus: error: SPEC {spec}: missing model() -> torch.nn.Module"
+    ]
+    assert _left_running(str(spec)) == []
+
+
+def test_data_that_raises_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    text = DIGITS.read_text() + (
+        "\n\ndef data(rank, world_size, batch_size):\n"
+        "    raise ValueError('no shard here')\n"
+    )
+    spec = _spec(tmp_path, "bad_data", text)
+    result = _run(["local", str(spec), "--workers", "2", "--steps", "3", *FAST])
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tensorbus: error: worker ")
+    assert "data(rank=" in lines[0] and "world_size=2, batch_size=64)" in lines[0]
+    assert lines[0].endswith("raised ValueError: no shard here")
+    assert _left_running(str(spec)) == []
+
+
+def test_coordinator_and_workers_by_hand_match_local(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "digits_by_hand")
+    training = ["--workers", "2", "--steps", "15", "--batch-size", "16", "--seed", "3"]
+    local = _run(["local", str(spec), *training, *FAST])
+    assert local.returncode == 0, local.stderr
+
+    port, pub_port = _free_port(), _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    processes = []
+    try:
+        coordinator = subprocess.Popen(
+            [*TENSORBUS, "coordinator", str(spec), "--bind", endpoint, "--pub-port",
+             str(pub_port), *training, *FAST],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        processes.append(coordinator)
+        for rank in (1, 0):  # out of order: ranks, not arrival, decide the shards
+            processes.append(subprocess.Popen(
+                [*TENSORBUS, "worker", str(spec), "--connect", endpoint, "--rank", str(rank),
+                 "--threads", "1"],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            ))
+        out, err = coordinator.communicate(timeout=120)
+        assert coordinator.returncode == 0, err
+        for worker in processes[1:]:
+            _, worker_err = worker.communicate(timeout=30)
+            assert worker.returncode == 0, worker_err
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.communicate()
+    by_hand, at_once = json.loads(out), json.loads(local.stdout)
+    for key in ("steps", "samples", "final_loss", "accuracy", "test_loss"):
+        assert by_hand[key] == at_once[key], key
+    assert _left_running(str(spec)) == []
