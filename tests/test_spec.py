@@ -1,0 +1,111 @@
+"""Unit: the SPEC loader names exactly what is missing or wrong, in one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from run.spec import SpecError, load_spec
+
+pytestmark = pytest.mark.timeout(30)
+
+GOOD = """
+import torch
+def model():
+    return torch.nn.Linear(2, 1)
+def data(rank, world_size, batch_size):
+    return [(torch.zeros(batch_size, 2), torch.zeros(batch_size, 1))]
+def loss(output, target):
+    return ((output - target) ** 2).mean()
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "spec") -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+def test_a_good_spec_loads_with_optional_parts_absent(tmp_path: Path) -> None:
+    spec = load_spec(_write(tmp_path, GOOD))
+    assert spec.optimizer is None and spec.evaluate is None
+    assert isinstance(spec.build_model(), torch.nn.Linear)
+
+
+@pytest.mark.parametrize(
+    ("name", "described"),
+    [("model", "model() -> torch.nn.Module"),
+     ("data", "data(rank, world_size, batch_size) -> iterable of (input, target)"),
+     ("loss", "loss(output, target) -> scalar tensor")],
+)
+def test_each_missing_function_is_named(tmp_path: Path, name: str, described: str) -> None:
+    path = _write(tmp_path, GOOD.replace(f"def {name}(", f"def not_{name}("))
+    with pytest.raises(SpecError) as error:
+        load_spec(path)
+    assert str(error.value) == f"SPEC {path}: missing {described}"
+
+
+def test_wrong_parameters_and_non_callables_are_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD.replace("def data(rank, world_size, batch_size):",
+                                         "def data(rank):"))
+    with pytest.raises(SpecError, match=r"data has the wrong parameters, expected data\(rank"):
+        load_spec(path)
+    path = _write(tmp_path, GOOD + "\nevaluate = 3\n", "non_callable")
+    with pytest.raises(SpecError, match="evaluate is a int, expected evaluate"):
+        load_spec(path)
+
+
+def test_import_failures_and_missing_files_are_one_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, "import no_such_module_here\n")
+    with pytest.raises(SpecError) as error:
+        load_spec(path)
+    assert str(error.value) == (f"SPEC {path}: importing it raised ModuleNotFoundError: "
+                                "No module named 'no_such_module_here'")
+    with pytest.raises(SpecError, match="no such file"):
+        load_spec(tmp_path / "absent.py")
+    with pytest.raises(SpecError, match="importing no_such_pkg raised ModuleNotFoundError"):
+        load_spec("no_such_pkg:thing")
+
+
+TASK = """
+import torch
+
+class Task:
+    @staticmethod
+    def model():
+        return torch.nn.Linear(2, 1)
+
+    @staticmethod
+    def data(rank, world_size, batch_size):
+        return []
+
+    @staticmethod
+    def loss(output, target):
+        return output.sum()
+"""
+
+
+def test_module_object_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write(tmp_path, TASK, "my_task_module")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        spec = load_spec("my_task_module:Task")
+        assert isinstance(spec.build_model(), torch.nn.Linear)
+        with pytest.raises(SpecError, match="has no attribute 'Nope'"):
+            load_spec("my_task_module:Nope")
+    finally:
+        sys.modules.pop("my_task_module", None)
+
+
+def test_model_that_raises_or_returns_the_wrong_thing(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD.replace("return torch.nn.Linear(2, 1)", "return 5"))
+    with pytest.raises(SpecError) as error:
+        load_spec(path).build_model()
+    assert str(error.value) == f"SPEC {path}: model() returned int, not a torch.nn.Module"
+    path = _write(tmp_path, GOOD.replace("return torch.nn.Linear(2, 1)", "raise RuntimeError('x')"),
+                  "raises")
+    with pytest.raises(SpecError, match=r"model\(\) raised RuntimeError: x"):
+        load_spec(path).build_model()
