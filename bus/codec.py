@@ -121,7 +121,7 @@ def decode(
     if layout is not None and cls.CARRIES_TENSORS and (specs or not cls.TENSORS_OPTIONAL):
         layout.check([(dtype, shape) for dtype, shape, _ in specs])
     tensors = tuple(
-        _tensor(frame, dtype, shape) for (dtype, shape, _), frame in zip(specs, frames[1:])
+        _tensor(frame, dtype, shape) for (dtype, shape, _), frame in zip(specs, frames[1:], strict=True)
     )
     return cls(**envelope, tensors=tensors, **values)
 

@@ -15,12 +15,13 @@ out so the trainer's default (plain SGD with --lr) is used.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
+
+from run.shards import Shards
 
 # Base seed for the per-epoch shuffles; epoch e uses SEED + e.
 SEED = 0
@@ -45,49 +46,6 @@ def _load() -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return x[train], y[train], x[test], y[test]
 
 
-class Shards:
-    """One rank's batches; each iter() is the next epoch (0, 1, 2, ...).
-
-    Every rank draws the same permutation for an epoch (it depends only on
-    the epoch) and takes its own slice of each global batch, so sync training
-    on world_size ranks matches one process using batch world_size*batch_size.
-    """
-
-    def __init__(self, x: Tensor, y: Tensor, rank: int, world_size: int, batch_size: int) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.global_batch = world_size * batch_size
-        self.num_batches = len(x) // self.global_batch  # last partial global batch is dropped
-        if self.num_batches == 0:
-            raise ValueError(
-                f"batch_size {batch_size} gives no batches: {len(x)} samples but "
-                f"global batch G = world_size*batch_size = {self.global_batch}"
-            )
-        self.x, self.y = x, y
-        self.rank, self.batch_size = rank, batch_size
-        self.epoch = 0
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return self._batches(epoch)
-
-    def _batches(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
-        perm = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(SEED + epoch))
-        start = self.rank * self.batch_size
-        for t in range(self.num_batches):
-            lo = t * self.global_batch + start
-            idx = perm[lo : lo + self.batch_size]
-            # Advanced indexing copies, so each batch is a fresh contiguous tensor.
-            yield self.x[idx], self.y[idx]
-
-
 def model() -> nn.Module:
     # Initialised from torch's global RNG, which the caller seeds.
     return nn.Sequential(
@@ -99,7 +57,7 @@ def model() -> nn.Module:
 
 def data(rank: int, world_size: int, batch_size: int) -> Shards:
     x, y, _, _ = _load()
-    return Shards(x, y, rank, world_size, batch_size)
+    return Shards(x, y, rank, world_size, batch_size, seed=SEED)
 
 
 def loss(output: Tensor, target: Tensor) -> Tensor:

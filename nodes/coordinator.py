@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from bus.codec import decode, encode
 from bus.errors import RejectedError
-from bus.messages import Join, Pull, Push, Reject, Weights
+from bus.messages import Join, Push, Reject
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from strategies import Sync
 
@@ -96,7 +96,8 @@ def test_sync_equals_single_process_with_batch_n_times_b(workers: int) -> None:
     assert summary["max_staleness"] == 0
     moved = 0.0
     for (name, got), want, start in zip(
-        coordinator.model.named_parameters(), reference.parameters(), _initial().parameters()
+        coordinator.model.named_parameters(), reference.parameters(), _initial().parameters(),
+        strict=True,
     ):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"parameter {name}")
         moved = max(moved, (want - start).abs().max().item())
