@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -36,21 +36,22 @@ class SendBuffers:
         self._allocate = allocate
         self._keep = keep  # free sets kept for reuse; more in flight than that are let go
         self._free: list[tuple[torch.Tensor, ...]] = []
-        self._busy: list[tuple[tuple[torch.Tensor, ...], list[Tracker]]] = []
+        self._busy: list[tuple[tuple[torch.Tensor, ...], list[Tracker | None]]] = []
 
     def take(self) -> tuple[torch.Tensor, ...]:
         """A buffer set that no send reads; its contents are stale and must be overwritten."""
         self._collect()
         return self._free.pop() if self._free else self._allocate()
 
-    def release(self, buffers: tuple[torch.Tensor, ...], trackers: Iterable[Tracker | None]) -> None:
+    def release(self, buffers: tuple[torch.Tensor, ...], trackers: list[Tracker | None]) -> None:
         """The owner is done with `buffers`; they return to the pool once these sends are."""
-        self._busy.append((buffers, [t for t in trackers if t is not None and not t.done]))
+        # Keep the caller's list itself, not a copy: a send still being awaited may add to it.
+        self._busy.append((buffers, trackers))
 
     def _collect(self) -> None:
         still = []
         for buffers, trackers in self._busy:
-            if all(t.done for t in trackers):
+            if all(t is None or t.done for t in trackers):
                 if len(self._free) < self._keep:
                     self._free.append(buffers)
             else:

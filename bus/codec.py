@@ -33,6 +33,7 @@ from bus.errors import (
     MessageTooLargeError,
     ProtocolVersionError,
     UnknownKindError,
+    WireError,
 )
 from bus.layout import Layout
 from bus.messages import PROTOCOL_VERSION, SCHEMA, Kind, Message
@@ -100,6 +101,17 @@ def decode(
     if not frames:
         raise MalformedHeaderError("no frames")
     header = _unpack_header(frames[0])
+    request = header["r"] if type(header["r"]) is int and 0 <= header["r"] <= _INT64_MAX else 0
+    try:
+        return _decode(header, frames, max_bytes, layout)
+    except WireError as e:
+        e.request = request  # so that the Reject reaches the request that waits for it
+        raise
+
+
+def _decode(
+    header: dict[str, Any], frames: Sequence[Buffer], max_bytes: int, layout: Layout | None
+) -> Message:
     kind = _kind(header)
     cls, own_fields = SCHEMA[kind]
     envelope = {
@@ -184,8 +196,6 @@ def _fields(raw: object, expected: dict[str, type]) -> dict[str, Any]:
             raise MalformedHeaderError(
                 f"field {name!r} must be {typ.__name__}, got {type(value).__name__}"
             )
-        if typ is float and not math.isfinite(value):
-            raise MalformedHeaderError(f"field {name!r} is not finite: {value}")
         values[name] = value
     return values
 

@@ -14,6 +14,7 @@ class WireError(Exception):
     """A message that cannot be accepted. `code` is what the sender is told."""
 
     code: RejectCode = RejectCode.MALFORMED
+    request: int = 0  # the request id, where the header was readable enough to say
 
 
 class MalformedHeaderError(WireError):

@@ -20,6 +20,7 @@ from bus.buffers import Tracker
 
 Frames = Sequence[Any]  # anything with the buffer protocol
 TRACK_ABOVE: Final = zmq.COPY_THRESHOLD  # smaller frames are copied by pyzmq: nothing to track
+PUB_QUEUE: Final = 8  # broadcasts queued per subscriber before PUB drops
 
 
 class ServerTransport(Protocol):
@@ -72,9 +73,18 @@ class ZmqServer:
             # A fixed request port gets a fixed broadcast port beside it (firewall rules);
             # a random one gets a random one.
             self._pub = self._socket(zmq.PUB, max_message_bytes)
+            # A stalled subscriber may hold at most this many versions; past it PUB drops,
+            # and the worker catches up with a Pull.
+            self._pub.setsockopt(zmq.SNDHWM, PUB_QUEUE)
             want = pub_port if pub_port is not None else (port + 1 if port else 0)
             self._pub.bind(f"tcp://{host}:{want or '*'}")
             _, self.pub_port = split_endpoint(self._pub.getsockopt(zmq.LAST_ENDPOINT).decode())
+        except zmq.ZMQError as e:
+            self._context.destroy(linger=0)
+            raise OSError(
+                f"cannot bind {bind} or its broadcast port ({e.strerror}); the broadcast port is "
+                "PORT+1 unless --pub-port says otherwise"
+            ) from None
         except BaseException:
             self._context.destroy(linger=0)
             raise

@@ -2,9 +2,10 @@
 
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import Coordinator, Progress, State, TrainingError
-from nodes.worker import DataError, Worker, WorkerReport
+from nodes.worker import ComputeError, DataError, Worker, WorkerReport
 
 __all__ = [
+    "ComputeError",
     "Coordinator",
     "CoordinatorConfig",
     "DataError",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -147,13 +148,20 @@ class Coordinator:
         tasks = [asyncio.create_task(self._guard(c)) for c in (self._receive(), self._tick())]
         try:
             await self._done
+        except BaseException:
+            self.metrics.close()
+            raise
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             assert self._server is not None
             self._server.close()
-        evaluation = self._evaluate(self.model) if self._evaluate else {}
+        try:
+            evaluation = self._evaluate(self.model) if self._evaluate else {}
+        except Exception as e:
+            self.metrics.close()
+            raise TrainingError(f"evaluate() raised {type(e).__name__}: {e}") from e
         summary = self.metrics.summary(evaluation)
         self.metrics.close(summary)
         return summary
@@ -187,7 +195,7 @@ class Coordinator:
             except WireError as e:
                 self.metrics.rejected[e.code.value] += 1
                 log.warning("rejected a message from %s: %s", self._name(peer), e)
-                await self._reply(peer, Reject(code=e.code.value, detail=str(e)))
+                await self._reply(peer, Reject(request=e.request, code=e.code.value, detail=str(e)))
                 continue
             await self._dispatch(peer, message)
 
@@ -260,7 +268,9 @@ class Coordinator:
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
         member.clock = message.clock + 1
         self.metrics.max_clock_gap = max(self.metrics.max_clock_gap, self._members.clock_gap())
-        if not all(t.isfinite().all() for t in message.tensors if t.is_floating_point()):
+        if not math.isfinite(message.loss) or not all(
+            t.isfinite().all() for t in message.tensors if t.is_floating_point()
+        ):
             decisions: list[Decision] = [Drop(member.rank, message.version, DropReason.NOT_FINITE)]
             log.warning("worker %d pushed a non-finite update on version %d", member.rank, message.version)
         else:

@@ -48,6 +48,8 @@ class Membership:
         if known is not None and rank in (-1, known.rank):
             known.last_seen = now
             return known
+        if rank < -1:
+            return RejectCode.MALFORMED
         if rank == -1:
             free = [r for r in range(self.world_size) if r not in self._by_rank]
             if not free:

@@ -43,6 +43,10 @@ class DataError(Exception):
     """The SPEC's data() failed or yielded something unusable; the message says what."""
 
 
+class ComputeError(Exception):
+    """The SPEC's model or loss raised on a batch; the message says which and what."""
+
+
 @dataclass(frozen=True)
 class WorkerReport:
     rank: int
@@ -79,6 +83,8 @@ class Worker:
         self._heartbeat_s = 0.5
         self._timeout_s = 10.0
         self._last_loss: float | None = None
+        self._request_timeout_s = config.request_timeout_s
+        self._lost: PeerTimeoutError | None = None  # set by the watchdog
 
     async def run(self) -> WorkerReport:
         self._client = ZmqClient(self.config.connect, max_message_bytes=self.flat.layout.nbytes + 65536)
@@ -86,10 +92,19 @@ class Worker:
         try:
             welcome = await self._join()
             self._client.subscribe(welcome.pub_port)
-            tasks += [asyncio.create_task(c) for c in (self._broadcasts(), self._heartbeats())]
+            main = asyncio.current_task()
+            assert main is not None
+            tasks += [asyncio.create_task(c) for c in
+                      (self._broadcasts(), self._heartbeats(), self._watchdog(main))]
             await self._train(welcome)
         except _Stopped:
             await self._leave("stopped", "")
+        except asyncio.CancelledError:
+            if self._lost is None:
+                await self._leave("interrupted", "")
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            raise self._lost from None
         except Exception as e:
             await self._leave("error", str(e))
             raise
@@ -127,6 +142,8 @@ class Worker:
             self.version = reply.version
             self.flat.load(reply.tensors)
             self._heartbeat_s, self._timeout_s = reply.heartbeat_s, reply.timeout_s
+            # Past the coordinator's own liveness timeout, a missing answer means it is gone.
+            self._request_timeout_s = min(self.config.request_timeout_s, reply.timeout_s)
             self._coordinator_seen = time.monotonic()
             log.info("worker %d joined at version %d (%s)", self.rank, self.version, reply.strategy)
             return reply
@@ -155,7 +172,8 @@ class Worker:
             ack, sent = await self._request_tracked(push)
             if isinstance(ack, Ack) and ack.dropped:
                 log.info("worker %d: update on version %d dropped (%s)", self.rank, computed_on, ack.dropped)
-            if welcome.wait:
+            # A dropped update does not count for its version: compute again, don't wait.
+            if welcome.wait and not (isinstance(ack, Ack) and ack.dropped):
                 self._enter(Phase.WAITING)
                 await self._await_version(newer_than=computed_on)
 
@@ -172,8 +190,13 @@ class Worker:
         """One gradient into the flat buffer. Runs in a thread: touches only the model."""
         inputs, targets = batches.next()
         self.flat.zero_grad()
-        loss = self._loss(self._model(inputs), targets)
-        loss.backward()
+        try:
+            loss = self._loss(self._model(inputs), targets)
+            loss.backward()
+        except Exception as e:
+            raise ComputeError(
+                f"worker {self.rank}: forward, loss or backward raised {type(e).__name__}: {e}"
+            ) from e
         self.flat.gather_grads()
         return float(loss.detach()), len(inputs)
 
@@ -225,11 +248,14 @@ class Worker:
         request = next(self._requests)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[request] = future
+        seconds = timeout if timeout is not None else self._request_timeout_s
+        peer = f"coordinator at {self.config.connect}"
+        what = f"{message.KIND.name.lower()} (request {request})"
         try:
-            tracker = await self._client.send(encode(replace(message, request=request)))
-            seconds = timeout if timeout is not None else self.config.request_timeout_s
-            reply = await within(future, seconds, peer=f"coordinator at {self.config.connect}",
-                                 waiting_for=f"{message.KIND.name.lower()} (request {request})")
+            # The send has a deadline too: a DEALER whose peer is gone blocks in send.
+            tracker = await within(self._client.send(encode(replace(message, request=request))),
+                                   seconds, peer=peer, waiting_for=f"sending {what}")
+            reply = await within(future, seconds, peer=peer, waiting_for=what)
         finally:
             self._pending.pop(request, None)
         match reply:
@@ -285,9 +311,29 @@ class Worker:
             await self._client.send(encode(beat))
             await asyncio.sleep(self._heartbeat_s)
 
+    async def _watchdog(self, main: asyncio.Task[Any]) -> None:
+        """End the worker, whatever it awaits, once the coordinator is silent too long.
+
+        Every wait has its own deadline; this is the one that holds if some wait (a send
+        into a socket whose peer is gone, say) has not.
+        """
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            silent = time.monotonic() - self._coordinator_seen
+            if silent > self._timeout_s + self._heartbeat_s:
+                self._lost = PeerTimeoutError(
+                    f"coordinator at {self.config.connect}",
+                    f"anything (worker {self.rank} was {self.phase.value} at version {self.version})",
+                    silent,
+                )
+                main.cancel()
+                return
+
     async def _leave(self, reason: str, detail: str) -> None:
         """Say goodbye, briefly: the coordinator may already be gone."""
         self._enter(Phase.LEAVING)
+        if time.monotonic() - self._coordinator_seen > self._timeout_s:
+            return  # it is gone: nobody to tell
         try:
             await self._request(Leave(sender=self.rank, version=self.version, reason=reason,
                                       detail=detail[:1000]), timeout=2.0)

@@ -22,7 +22,7 @@ from bus.errors import PeerTimeoutError, RejectedError
 from bus.transport import new_event_loop, split_endpoint
 from nodes.config import WorkerConfig
 from nodes.coordinator import TrainingError
-from nodes.worker import DataError, Worker
+from nodes.worker import ComputeError, DataError, Worker
 from run.local import LocalRunError, launch_local
 from run.options import STRATEGIES, RunOptions, make_coordinator
 from run.progress import ProgressLine
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, ValueError) as e:
         print(f"{error_prefix}{e}", file=sys.stderr)
         return 2
-    except (TrainingError, LocalRunError, DataError, PeerTimeoutError, RejectedError, OSError) as e:
+    except (TrainingError, LocalRunError, DataError, ComputeError, PeerTimeoutError, RejectedError,
+            OSError) as e:
         print(f"{error_prefix}{e}", file=sys.stderr)
         return 1
 

@@ -203,3 +203,28 @@ def test_a_worker_that_misses_every_broadcast_catches_up_by_pulling(
     assert summary["steps"] == 6
     assert summary["dropped"] == {}
     assert lost.clock in (6, 7) and hearing.clock in (6, 7)
+
+
+def test_a_non_finite_update_is_dropped_and_its_worker_computes_again() -> None:
+    """Worker 1's first loss is NaN: that update is dropped (counted as not_finite), the
+    worker computes again on the same version instead of waiting, and sync goes on."""
+    calls = {"n": 0}
+
+    def poisoned_once(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        value = digits.loss(output, target)
+        return value * float("nan") if calls["n"] == 1 else value
+
+    async def scenario() -> dict:
+        coordinator = _coordinator(2, 4, 8)
+        endpoint = coordinator.bind()
+        poisoned = Worker(model=digits.model(), data=digits.data, loss=poisoned_once,
+                          config=WorkerConfig(connect=endpoint, rank=1))
+        results = await asyncio.gather(coordinator.run(), _worker(endpoint, rank=0).run(),
+                                       poisoned.run())
+        return results[0]
+
+    summary = asyncio.run(scenario())
+    assert summary["steps"] == 4
+    assert summary["dropped"] == {"not_finite": 1}
+    assert summary["final_loss"] == summary["final_loss"]  # finite: NaN never reached the model
