@@ -104,11 +104,12 @@ class Welcome(Message):
     strategy: str
     push: str  # "gradient" or "weights": what the worker pushes
     local_steps: int  # steps between pushes
-    wait: bool  # after a push, wait for a newer version before computing again
+    wait: str  # after a push: "newer", "answered" or "nothing" (see strategies.base.Wait)
     batch_size: int  # per worker, the same for all so that shards line up
     pub_port: int  # where the coordinator publishes versions, on the same host
     heartbeat_s: float
     timeout_s: float
+    lr: float  # for a worker that owns its optimizer and the SPEC gives none
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from nodes.faults import Faults
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,8 +20,13 @@ class CoordinatorConfig:
     join_timeout_s: float = 300.0  # how long to wait for the first workers
     stop_timeout_s: float = 5.0  # how long to wait for workers to leave at the end
     metrics: Path | None = None
+    # Copy the weights every this many seconds of training, and evaluate the copies after
+    # training (an accuracy-against-time curve that does not slow the run); None: no copies.
+    eval_every_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.eval_every_s is not None and not self.eval_every_s > 0:
+            raise ValueError(f"eval_every_s must be positive, got {self.eval_every_s}")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of steps and epochs")
         for name in ("steps", "epochs"):
@@ -41,6 +48,7 @@ class WorkerConfig:
     device: str = "cpu"
     join_timeout_s: float = 300.0  # how long to keep trying to join
     request_timeout_s: float = 10.0  # per request (join, push, pull, leave)
+    faults: Faults = field(default_factory=Faults)  # injected faults, for experiments
 
     def __post_init__(self) -> None:
         if self.rank < -1:

@@ -44,8 +44,22 @@ from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
 from nodes.membership import Member, Membership
 from nodes.metrics import Metrics
-from strategies.base import Apply, Arrived, Decision, Drop, DropReason, Joined, Keep, Left, Stall
-from strategies.base import Strategy, Tick
+from strategies.base import (
+    Apply,
+    Arrived,
+    Decision,
+    Drop,
+    DropReason,
+    Hold,
+    Joined,
+    Keep,
+    Left,
+    PushKind,
+    Release,
+    Stall,
+    Strategy,
+    Tick,
+)
 
 log = logging.getLogger("tensorbus.coordinator")
 
@@ -67,10 +81,11 @@ class TrainingError(Exception):
 @dataclass(frozen=True)
 class Progress:
     version: int
-    target: int | None
+    target: int | None  # versions to apply, when the run is measured in versions
     loss: float
     samples: int
     wall_s: float
+    done: float | None = None  # the share of the run done, 0..1, when known
 
 
 @dataclass
@@ -78,6 +93,26 @@ class _Held:
     tensors: tuple[torch.Tensor, ...]  # views into received frames; they keep the frames alive
     loss: float
     samples: int
+
+
+@dataclass
+class _Parked:
+    """A request whose answer the strategy holds back (a Ready at the gate, a Push in ssp)."""
+
+    peer: bytes
+    request: int
+    since: float
+    push: bool  # a held Push counts as time the worker waited for others
+
+
+@dataclass
+class _EvalPoint:
+    """A copy of the weights taken during training, evaluated once training is over."""
+
+    version: int
+    samples: int
+    train_s: float
+    weights: tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -105,15 +140,20 @@ class Coordinator:
         self.strategy = strategy
         self.config = config
         self.flat = FlatModel(model)
-        make = optimizer or (lambda params: torch.optim.SGD(params, lr=lr))
-        self.optimizer = make(model.parameters())
+        self.lr = lr  # handed to workers that own their optimizers
+        self._weights_pushed = strategy.rhythm.push is PushKind.WEIGHTS
+        self.optimizer = self._make_optimizer(optimizer, lr)
         self.version = 0
         self.state = State.STARTING
         self._evaluate = evaluate
         self._on_step = on_step
         self._members = Membership(strategy.workers)
         self._held: dict[int, _Held] = {}
-        self._target = config.steps
+        self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
+        self._target = config.steps  # in versions; or
+        self._target_samples: int | None = None  # from --epochs, fixed when training starts
+        self._evals: list[_EvalPoint] = []
+        self._next_eval_s = 0.0
         self._pool = SendBuffers(self.flat.layout.allocate)
         self._snapshot: _Snapshot | None = None
         self._max_bytes = self.flat.layout.nbytes + 65536
@@ -123,6 +163,18 @@ class Coordinator:
         self._stop_deadline = 0.0
         self._errors: list[str] = []  # why workers left with an error, for the final message
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers)
+
+    def _make_optimizer(
+        self, optimizer: OptimizerFactory | None, lr: float
+    ) -> torch.optim.Optimizer | None:
+        params = self.model.parameters()
+        if not self._weights_pushed:
+            return (optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)))(params)
+        # Workers own the optimizer; here only the optional outer one (None: plain average).
+        outer = self.strategy.outer
+        if outer is None:
+            return None
+        return torch.optim.SGD(params, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
 
     @property
     def endpoint(self) -> str:
@@ -158,6 +210,7 @@ class Coordinator:
             assert self._server is not None
             self._server.close()
         try:
+            self._evaluate_points()
             evaluation = self._evaluate(self.model) if self._evaluate else {}
         except Exception as e:
             self.metrics.close()
@@ -171,16 +224,28 @@ class Coordinator:
             await coroutine
         except asyncio.CancelledError:
             raise
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - handed on to run(), which raises it
             self.metrics.close()
             if self._done is not None and not self._done.done():
                 self._done.set_exception(e)
+
+    async def remove(self, rank: int, why: str) -> bool:
+        """Remove a worker known to be dead (its launcher saw it die), without waiting for
+        its heartbeats to stop; the strategy goes on without it. False if not running or
+        not a member."""
+        member = next((m for m in self._members if m.rank == rank), None)
+        if member is None or self._done is None or self._done.done():
+            return False
+        self._depart(member, why, lost=True)
+        await self._carry_out(self.strategy.handle(Left(rank, time.monotonic())))
+        return True
 
     def _enter(self, state: State, why: str) -> None:
         log.info("%s -> %s: %s", self.state.value, state.value, why)
         self.state = state
         if state is State.STOPPING:
             self._stop_deadline = time.monotonic() + self.config.stop_timeout_s
+            self.metrics.training_ended()
         if state is State.STOPPED and self._done is not None and not self._done.done():
             self._done.set_result(None)
 
@@ -221,8 +286,9 @@ class Coordinator:
                 member.version = max(member.version, version)
             case Ready(batches=batches):
                 member.ready, member.batches = True, batches
-                await self._reply(peer, Ack(request=message.request, version=self.version))
-                await self._carry_out(self.strategy.handle(Joined(member.rank, now)))
+                decisions = self.strategy.handle(Joined(member.rank, now))
+                await self._answer(peer, member, message.request, decisions, now, push=False)
+                await self._carry_out(decisions)
             case Push():
                 await self._push(peer, member, message, now)
             case Pull(version=have):
@@ -260,14 +326,13 @@ class Coordinator:
         welcome = Welcome(
             request=message.request, rank=admitted.rank, world_size=self.strategy.workers,
             strategy=self.strategy.name, push=rhythm.push.value, local_steps=rhythm.local_steps,
-            wait=rhythm.wait, batch_size=self.config.batch_size, pub_port=self._pub_port(),
-            heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s,
+            wait=rhythm.wait.value, batch_size=self.config.batch_size, pub_port=self._pub_port(),
+            heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,
         )
         await self._send_weights(peer, welcome)
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
         member.clock = message.clock + 1
-        self.metrics.max_clock_gap = max(self.metrics.max_clock_gap, self._members.clock_gap())
         if not math.isfinite(message.loss) or not all(
             t.isfinite().all() for t in message.tensors if t.is_floating_point()
         ):
@@ -275,17 +340,45 @@ class Coordinator:
             log.warning("worker %d pushed a non-finite update on version %d", member.rank, message.version)
         else:
             decisions = self.strategy.handle(Arrived(member.rank, message.version, now))
+            self.metrics.max_clock_gap = max(self.metrics.max_clock_gap, self.strategy.clock_gap())
+        self.metrics.worker(member.rank)["pushes"] += 1
+        dropped = ""
         for decision in decisions:
             match decision:
                 case Keep(worker=worker):
                     self._held[worker] = _Held(message.tensors, message.loss, message.samples)
-                    await self._reply(peer, Ack(request=message.request, version=self.version))
                 case Drop(reason=reason):
                     self.metrics.dropped[reason.value] += 1
-                    await self._reply(
-                        peer, Ack(request=message.request, version=self.version, dropped=reason.value)
-                    )
+                    self.metrics.worker(member.rank)["dropped"] += 1
+                    dropped = reason.value
+        if dropped:
+            await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
+        else:
+            # Answered before the step is taken, so that a worker that need not wait goes on.
+            await self._answer(peer, member, message.request, decisions, now, push=True)
         await self._carry_out(decisions)
+
+    async def _answer(
+        self, peer: bytes, member: Member, request: int, decisions: list[Decision], now: float,
+        *, push: bool,
+    ) -> None:
+        """Acknowledge a request now, or park it if the strategy holds its sender back."""
+        if Hold(member.rank) in decisions:
+            self._parked[member.rank] = _Parked(peer, request, now, push)
+        else:
+            await self._reply(peer, Ack(request=request, version=self.version))
+
+    async def _unpark(self, workers: Iterable[int], *, stop: bool = False) -> None:
+        now = time.monotonic()
+        for rank in workers:
+            parked = self._parked.pop(rank, None)
+            if parked is None:
+                continue  # it left meanwhile
+            if parked.push:
+                self.metrics.worker(rank)["held_s"] += now - parked.since
+            answer: Message = (Stop(request=parked.request, version=self.version) if stop
+                               else Ack(request=parked.request, version=self.version))
+            await self._reply(parked.peer, answer)
 
     # Carrying out decisions ----------------------------------------------------------------
 
@@ -294,50 +387,118 @@ class Coordinator:
             match decision:
                 case Apply():
                     await self._apply(decision)
+                case Release(workers=workers):
+                    await self._unpark(workers)
+                    if self.metrics.trained_from is None and self.strategy.started:
+                        self.metrics.training_started()
+                        self._take_eval_point()
                 case Stall(version=version, waiting_for=waiting, waited_s=waited):
                     names = ", ".join(m.describe() for m in self._members if m.rank in waiting)
                     log.warning("version %d has waited %.1f s for %s", version, waited, names or "joiners")
 
     async def _apply(self, decision: Apply) -> None:
         held = [self._held.pop(w) for w in decision.workers]
-        if self._target is None:
-            self._target = self._epochs_to_steps(decision.workers)
-        await asyncio.to_thread(self._step, [h.tensors for h in held])
-        self.version = decision.version + 1
-        self.metrics.max_staleness = max(self.metrics.max_staleness, self.version - 1 - decision.version)
+        if self._target is None and self._target_samples is None:
+            self._target_samples = self._epochs_to_samples()
+        await asyncio.to_thread(self._step, [h.tensors for h in held], decision.scale)
+        staleness = self.version - decision.version
+        self.version += 1
+        self.metrics.max_staleness = max(self.metrics.max_staleness, staleness)
         loss = sum(h.loss for h in held) / len(held)
         samples = sum(h.samples for h in held)
-        self.metrics.step(self.version, loss, samples, decision.workers)
+        for w in decision.workers:
+            self.metrics.worker(w)["applied"] += 1
+        self.metrics.step(self.version, loss, samples, decision.workers, staleness)
         if self.state is State.STARTING:
             self._enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
         await self._publish()
+        self._maybe_take_eval_point()
+        done = self._done_share()
         if self._on_step is not None:
-            self._on_step(Progress(self.version, self._target, loss, self.metrics.samples, self.metrics.wall_s()))
-        if self._target is not None and self.version >= self._target:
-            await self._stop(f"reached version {self.version}")
+            self._on_step(Progress(self.version, self._target, loss, self.metrics.samples,
+                                   self.metrics.wall_s(), done))
+        if done is not None and done >= 1.0:
+            what = (f"version {self.version}" if self._target is not None
+                    else f"{self.metrics.samples} samples")
+            await self._stop(f"reached {what}")
 
-    def _step(self, updates: list[tuple[torch.Tensor, ...]]) -> None:
-        """Average the updates into the gradient buffers (in the given order), then step."""
+    def _done_share(self) -> float | None:
+        if self._target is not None:
+            return self.version / self._target
+        if self._target_samples is not None:
+            return self.metrics.samples / self._target_samples
+        return None
+
+    def _step(self, updates: list[tuple[torch.Tensor, ...]], scale: float) -> None:
+        """Average the updates (in the given order) and take one step with the result.
+
+        Gradients: their mean, times `scale`, goes into the gradient buffers and the
+        optimizer steps. Weights: their mean replaces the weights, or with an outer
+        optimizer, (weights - mean) is the gradient it steps on.
+        """
         with torch.no_grad():
-            for b, grad in enumerate(self.flat.grads):
-                grad.copy_(updates[0][b])
+            for b, mean in enumerate(self.flat.grads):
+                mean.copy_(updates[0][b])
                 for update in updates[1:]:
-                    grad.add_(update[b])
+                    mean.add_(update[b])
                 if len(updates) > 1:
-                    grad.div_(len(updates))
-        self.optimizer.step()
+                    mean.div_(len(updates))
+                if scale != 1.0:
+                    mean.mul_(scale)
+                if self._weights_pushed:
+                    if self.optimizer is None:
+                        self.flat.weights[b].copy_(mean)
+                    else:
+                        mean.sub_(self.flat.weights[b]).neg_()
+        if self.optimizer is not None:
+            self.optimizer.step()
 
-    def _epochs_to_steps(self, workers: tuple[int, ...]) -> int:
+    def _epochs_to_samples(self) -> int:
+        """--epochs as samples to apply: passes over the shards of the workers ready now."""
         epochs = self.config.epochs
         assert epochs is not None  # config guarantees steps or epochs
-        batches = [m.batches for m in self._members if m.rank in workers]
+        batches = [m.batches for m in self._members if m.ready]
         if not batches or min(batches) < 1:
             raise TrainingError(
                 "--epochs needs data() to return a sized iterable (with len()); use --steps"
             )
-        steps = epochs * min(batches)
-        log.info("%d epoch(s) of %d batches: %d versions", epochs, min(batches), steps)
-        return steps
+        samples = epochs * sum(batches) * self.config.batch_size
+        log.info("%d epoch(s) over %d workers' %d batches: %d samples",
+                 epochs, len(batches), sum(batches), samples)
+        return samples
+
+    # Evaluation points -----------------------------------------------------------------
+
+    def _maybe_take_eval_point(self) -> None:
+        every = self.config.eval_every_s
+        if every is None or self.metrics.trained_from is None:
+            return
+        if self.metrics.train_s() >= self._next_eval_s:
+            self._take_eval_point()
+
+    def _take_eval_point(self) -> None:
+        every = self.config.eval_every_s
+        if every is None or self._evaluate is None:
+            return
+        train_s = self.metrics.train_s()
+        weights = tuple(w.clone() for w in self.flat.weights)
+        self._evals.append(_EvalPoint(self.version, self.metrics.samples, train_s, weights))
+        self._next_eval_s = train_s + every
+
+    def _evaluate_points(self) -> None:
+        """Evaluate the copies taken during training (after it, so as not to slow it)."""
+        if not self._evals or self._evaluate is None:
+            return
+        final = tuple(w.clone() for w in self.flat.weights)
+        try:
+            for point in self._evals:
+                self.flat.load(point.weights)
+                figures = self._evaluate(self.model)
+                self.metrics.write("eval", version=point.version, samples=point.samples,
+                                   train_s=round(point.train_s, 6), **figures)
+        finally:
+            self.flat.load(final)
+        self._evals.clear()
 
     # Sending -------------------------------------------------------------------------------
 
@@ -400,11 +561,13 @@ class Coordinator:
     async def _stop(self, why: str) -> None:
         assert self._server is not None
         self._enter(State.STOPPING, why)
+        await self._unpark(list(self._parked), stop=True)
         await self._server.publish(encode(Stop(version=self.version, reason="done")))
 
     def _depart(self, member: Member, why: str, *, lost: bool = False) -> None:
         # A departed worker's kept update stays held: the strategy may still count it.
         self._members.remove(member)
+        self._parked.pop(member.rank, None)
         if lost:
             self.metrics.lost.append(
                 {"rank": member.rank, "version": member.version, "phase": member.phase}

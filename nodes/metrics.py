@@ -1,7 +1,10 @@
 """Run metrics: one JSON object a line as training goes, and the closing summary.
 
 The summary holds at least what DESIGN.md lists (strategy, workers, steps, wall_s,
-final_loss, dropped, max_staleness, max_clock_gap) plus whatever `evaluate` returned.
+final_loss, dropped, max_staleness, max_clock_gap) plus whatever `evaluate` returned,
+and per worker: updates pushed, applied and dropped, and seconds held back by the strategy.
+Training time (`train_s`) runs from the opening of the start gate to the stop, so that
+start-up (processes importing torch, loading data) is not counted as training.
 """
 
 from __future__ import annotations
@@ -27,6 +30,28 @@ class Metrics:
         self.max_staleness = 0
         self.max_clock_gap = 0
         self.lost: list[dict[str, Any]] = []
+        self.per_worker: dict[int, dict[str, float]] = {}
+        self.trained_from: float | None = None  # when the start gate opened
+        self.trained_until: float | None = None  # when the stop began
+
+    def worker(self, rank: int) -> dict[str, float]:
+        """The counters of one worker, made on first use."""
+        if rank not in self.per_worker:
+            self.per_worker[rank] = {"pushes": 0, "applied": 0, "dropped": 0, "held_s": 0.0}
+        return self.per_worker[rank]
+
+    def training_started(self) -> None:
+        self.trained_from = time.monotonic()
+        self.write("start")
+
+    def training_ended(self) -> None:
+        if self.trained_until is None:
+            self.trained_until = time.monotonic()
+
+    def train_s(self) -> float:
+        if self.trained_from is None:
+            return 0.0
+        return (self.trained_until or time.monotonic()) - self.trained_from
 
     def wall_s(self) -> float:
         return time.monotonic() - self.started
@@ -37,11 +62,14 @@ class Metrics:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
-    def step(self, version: int, loss: float, samples: int, workers: tuple[int, ...]) -> None:
+    def step(
+        self, version: int, loss: float, samples: int, workers: tuple[int, ...], staleness: int = 0
+    ) -> None:
         self.steps = version
         self.final_loss = loss
         self.samples += samples
-        self.write("step", version=version, loss=loss, samples=samples, workers=list(workers))
+        self.write("step", version=version, train_s=round(self.train_s(), 6), loss=loss,
+                   samples=samples, workers=list(workers), staleness=staleness)
 
     def summary(self, evaluation: dict[str, float]) -> dict[str, Any]:
         return {
@@ -51,12 +79,17 @@ class Metrics:
             "steps": self.steps,
             "samples": self.samples,
             "wall_s": round(self.wall_s(), 3),
+            "train_s": round(self.train_s(), 3),
             "final_loss": self.final_loss,
             "dropped": dict(self.dropped),
             "rejected": dict(self.rejected),
             "max_staleness": self.max_staleness,
             "max_clock_gap": self.max_clock_gap,
             "lost": self.lost,
+            "per_worker": {
+                str(rank): {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
+                for rank, c in sorted(self.per_worker.items())
+            },
             **evaluation,
         }
 

@@ -1,5 +1,11 @@
 """A worker: joins, trains on its shard with compute off the event loop, pushes, follows versions.
 
+The strategy's rhythm, handed over in the Welcome, shapes the loop with no branch on the
+strategy's name: compute `local_steps` steps (taking local optimizer steps when the worker
+pushes weights), push the gradient or the weights, wait for the answer (which the
+coordinator may hold back: the start gate, ssp's bound), then wait for a newer version or
+go on with the newest seen.
+
 Three tasks share one loop: the training loop, `_replies` (answers on the DEALER, matched
 to requests by id) and `_broadcasts` (versions, heartbeats and stop on the SUB), plus a
 heartbeat sender. Compute (data, forward, backward) runs in a thread, so heartbeats go on
@@ -26,8 +32,20 @@ from bus.codec import decode, encode
 from bus.deadline import within
 from bus.errors import PeerTimeoutError, RejectedError, WireError
 from bus.messages import (
-    BUILD, Ack, Heartbeat, Join, Leave, Message, Phase, Pull, Push, Ready, Reject, Stop,
-    Weights, Welcome,
+    BUILD,
+    Ack,
+    Heartbeat,
+    Join,
+    Leave,
+    Message,
+    Phase,
+    Pull,
+    Push,
+    Ready,
+    Reject,
+    Stop,
+    Weights,
+    Welcome,
 )
 from bus.transport import ZmqClient
 from nodes.config import WorkerConfig
@@ -37,6 +55,7 @@ log = logging.getLogger("tensorbus.worker")
 
 Data = Callable[[int, int, int], Iterable[Any]]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class DataError(Exception):
@@ -60,7 +79,15 @@ class _Stopped(Exception):
 
 
 class Worker:
-    def __init__(self, *, model: nn.Module, data: Data, loss: Loss, config: WorkerConfig) -> None:
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        data: Data,
+        loss: Loss,
+        config: WorkerConfig,
+        optimizer: OptimizerFactory | None = None,
+    ) -> None:
         if config.device != "cpu":
             raise ValueError(f"device {config.device!r}: only cpu workers exist in this release")
         self.config = config
@@ -68,6 +95,9 @@ class Worker:
         self._model = model
         self._data = data
         self._loss = loss
+        self._make_optimizer = optimizer  # used only when the strategy has workers own one
+        self._optimizer: torch.optim.Optimizer | None = None
+        self.steps = 0  # local steps computed
         self._client: ZmqClient | None = None
         self._requests = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}
@@ -154,28 +184,40 @@ class Worker:
         self._enter(Phase.LOADING)
         shards = await asyncio.to_thread(self._load, welcome)
         batches = len(shards) if isinstance(shards, Sized) else -1
-        await self._request(Ready(sender=self.rank, version=self.version, batches=batches))
+        if welcome.push == "weights":
+            make = self._make_optimizer or (lambda ps: torch.optim.SGD(ps, lr=welcome.lr))
+            self._optimizer = make(self._model.parameters())
+        # Answered when the coordinator's start gate opens: everyone starts together.
+        await self._request(Ready(sender=self.rank, version=self.version, batches=batches),
+                            patient=True)
         batch_iter = _Epochs(shards, self._describe_data(welcome))
+        pushed = self.flat.weights if self._optimizer is not None else self.flat.grads
         sent: Tracker | None = None
         while True:
+            # The pushed buffer is written by the next compute or load: the send must be done.
+            await wait_sent(sent, timeout=self._timeout_s, what="the last update")
             self._load_latest()
-            # The gradient buffer is written by the next backward: the last send must be done.
-            await wait_sent(sent, timeout=self._timeout_s, what="the last gradient")
             self._enter(Phase.COMPUTING)
-            loss, samples = await asyncio.to_thread(self._compute, batch_iter)
+            loss, samples = await asyncio.to_thread(self._compute, batch_iter, welcome.local_steps)
             self._last_loss = loss
             self._enter(Phase.PUSHING)
             computed_on = self.version
             push = Push(sender=self.rank, version=computed_on, clock=self.clock, loss=loss,
-                        samples=samples, tensors=self.flat.grads)
+                        samples=samples, tensors=pushed)
             self.clock += 1  # counted when sent, so that heartbeats from now on include it
-            ack, sent = await self._request_tracked(push)
+            # The answer may be held back by the strategy (ssp's bound): wait while the
+            # coordinator is alive, not against a fixed deadline.
+            ack, sent = await self._request_tracked(push, patient=True)
             if isinstance(ack, Ack) and ack.dropped:
                 log.info("worker %d: update on version %d dropped (%s)", self.rank, computed_on, ack.dropped)
-            # A dropped update does not count for its version: compute again, don't wait.
-            if welcome.wait and not (isinstance(ack, Ack) and ack.dropped):
+                continue  # it does not count for its version: compute again, don't wait
+            # What to wait for is the strategy's (see strategies.base.Wait).
+            if welcome.wait == "newer":
                 self._enter(Phase.WAITING)
                 await self._await_version(newer_than=computed_on)
+            elif welcome.wait == "answered" and ack.version > self.version:
+                self._enter(Phase.WAITING)
+                await self._await_version(newer_than=ack.version - 1)
 
     def _load(self, welcome: Welcome) -> Iterable[Any]:
         try:
@@ -186,19 +228,29 @@ class Worker:
     def _describe_data(self, welcome: Welcome) -> str:
         return f"data(rank={self.rank}, world_size={welcome.world_size}, batch_size={welcome.batch_size})"
 
-    def _compute(self, batches: _Epochs) -> tuple[float, int]:
-        """One gradient into the flat buffer. Runs in a thread: touches only the model."""
-        inputs, targets = batches.next()
-        self.flat.zero_grad()
-        try:
-            loss = self._loss(self._model(inputs), targets)
-            loss.backward()
-        except Exception as e:
-            raise ComputeError(
-                f"worker {self.rank}: forward, loss or backward raised {type(e).__name__}: {e}"
-            ) from e
-        self.flat.gather_grads()
-        return float(loss.detach()), len(inputs)
+    def _compute(self, batches: _Epochs, local_steps: int) -> tuple[float, int]:
+        """`local_steps` gradients (each followed by a local optimizer step when this worker
+        owns one); the last gradient stays in the flat buffer. Runs in a thread: touches
+        only the model. Returns the mean loss and the samples seen."""
+        total_loss, samples = 0.0, 0
+        for _ in range(local_steps):
+            self.config.faults.before_step(self.steps)
+            inputs, targets = batches.next()
+            self.flat.zero_grad()
+            try:
+                loss = self._loss(self._model(inputs), targets)
+                loss.backward()
+            except Exception as e:
+                raise ComputeError(
+                    f"worker {self.rank}: forward, loss or backward raised {type(e).__name__}: {e}"
+                ) from e
+            self.flat.gather_grads()
+            if self._optimizer is not None:
+                self._optimizer.step()
+            self.steps += 1
+            total_loss += float(loss.detach())
+            samples += len(inputs)
+        return total_loss / local_steps, samples
 
     def _load_latest(self) -> None:
         if self._latest is not None and self._latest.version > self.version:
@@ -208,7 +260,7 @@ class Worker:
 
     async def _await_version(self, *, newer_than: int) -> None:
         """Wait for a version past `newer_than`, pulling it if the broadcast was missed."""
-        while not (self._latest and self._latest.version > newer_than):
+        while max(self.version, self._latest.version if self._latest else -1) <= newer_than:
             if self._stopped:
                 raise _Stopped
             self._newer.clear()
@@ -237,13 +289,17 @@ class Worker:
 
     # Talking to the coordinator ------------------------------------------------------------
 
-    async def _request(self, message: Message, *, timeout: float | None = None) -> Message:
-        reply, _ = await self._request_tracked(message, timeout=timeout)
+    async def _request(
+        self, message: Message, *, timeout: float | None = None, patient: bool = False
+    ) -> Message:
+        reply, _ = await self._request_tracked(message, timeout=timeout, patient=patient)
         return reply
 
     async def _request_tracked(
-        self, message: Message, *, timeout: float | None = None
+        self, message: Message, *, timeout: float | None = None, patient: bool = False
     ) -> tuple[Message, Tracker | None]:
+        """Send a request and wait for its answer: within `timeout` (default: the request
+        timeout), or, if `patient`, for as long as the coordinator keeps beating."""
         assert self._client is not None
         request = next(self._requests)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -255,7 +311,10 @@ class Worker:
             # The send has a deadline too: a DEALER whose peer is gone blocks in send.
             tracker = await within(self._client.send(encode(replace(message, request=request))),
                                    seconds, peer=peer, waiting_for=f"sending {what}")
-            reply = await within(future, seconds, peer=peer, waiting_for=what)
+            if patient:
+                reply = await self._while_alive(future, waiting_for=what)
+            else:
+                reply = await within(future, seconds, peer=peer, waiting_for=what)
         finally:
             self._pending.pop(request, None)
         match reply:
@@ -265,6 +324,15 @@ class Worker:
             case Reject(code=code, detail=detail):
                 raise RejectedError(code, detail)
         return reply, tracker
+
+    async def _while_alive(self, future: asyncio.Future[Message], *, waiting_for: str) -> Message:
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=self._heartbeat_s)
+            if done:
+                return future.result()
+            silent = time.monotonic() - self._coordinator_seen
+            if silent > self._timeout_s:
+                raise PeerTimeoutError(f"coordinator at {self.config.connect}", waiting_for, silent)
 
     async def _replies(self) -> None:
         assert self._client is not None

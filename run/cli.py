@@ -23,10 +23,12 @@ from bus.transport import new_event_loop, split_endpoint
 from nodes.config import WorkerConfig
 from nodes.coordinator import TrainingError
 from nodes.worker import ComputeError, DataError, Worker
+from run.faults import parse_worker
 from run.local import LocalRunError, launch_local
-from run.options import STRATEGIES, RunOptions, make_coordinator
+from run.options import RunOptions, make_coordinator
 from run.progress import ProgressLine
 from run.spec import SpecError, load_spec
+from strategies import STRATEGIES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -71,7 +73,7 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    host, port = split_endpoint(args.bind)
+    host, _ = split_endpoint(args.bind)
     if not args.insecure and not _is_loopback(host):
         raise ValueError(
             f"--bind {args.bind} is not a loopback address and this release has no CURVE keys: "
@@ -95,8 +97,9 @@ def _worker(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     split_endpoint(args.connect)
     config = WorkerConfig(connect=args.connect, rank=args.rank, device=_device(args.device),
-                          join_timeout_s=args.join_timeout)
-    worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config)
+                          join_timeout_s=args.join_timeout, faults=parse_worker(args.fault))
+    worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config,
+                    optimizer=spec.optimizer)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         report = runner.run(worker.run())
     logging.getLogger("tensorbus.worker").info(
@@ -105,11 +108,17 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+STRATEGY_FLAGS = ("backups", "staleness", "staleness_lr", "average_every", "outer_lr",
+                  "outer_momentum", "nesterov")
+
+
 def _run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(
         workers=args.workers, strategy=args.strategy, steps=args.steps, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, seed=args.seed, metrics=args.metrics,
         heartbeat_s=args.heartbeat, timeout_s=args.timeout, join_timeout_s=args.join_timeout,
+        strategy_options={k: getattr(args, k) for k in STRATEGY_FLAGS if getattr(args, k) is not None},
+        faults=tuple(getattr(args, "fault", None) or ()), eval_every_s=args.eval_every,
     )
 
 
@@ -157,10 +166,30 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
         p.add_argument("--join-timeout", type=float, default=300.0, help="wait this long for workers")
         p.add_argument("--no-progress", action="store_true", help="no progress line")
+        p.add_argument("--eval-every", type=float, metavar="SECONDS",
+                       help="copy the weights every SECONDS of training and evaluate the copies "
+                            "after training (accuracy against time, in --metrics)")
+        s = p.add_argument_group("strategy options")
+        s.add_argument("--backups", type=int, metavar="K",
+                       help="sync: step on the first WORKERS-K gradients of a version")
+        s.add_argument("--staleness", type=int, metavar="S",
+                       help="ssp: clocks differ by at most S+1 (default 2)")
+        s.add_argument("--staleness-lr", action="store_true", default=None,
+                       help="ssp, async: divide each step by 1 + its staleness")
+        s.add_argument("--average-every", type=int, metavar="H",
+                       help="average: local steps between averages (default 8)")
+        s.add_argument("--outer-lr", type=float,
+                       help="average: SGD on the averaged change with this lr (DiLoCo)")
+        s.add_argument("--outer-momentum", type=float, help="average: its momentum")
+        s.add_argument("--nesterov", action="store_true", default=None,
+                       help="average: Nesterov momentum for the outer SGD")
 
     local = commands.add_parser("local", help="a coordinator and N workers on this machine")
     common(local)
     training(local)
+    local.add_argument("--fault", action="append", metavar="KIND:RANK:N",
+                       help="inject a fault (repeatable): slow:RANK:MS sleeps MS ms in every "
+                            "step of worker RANK; crash:RANK:STEP kills it at local step STEP")
 
     coordinator = commands.add_parser("coordinator", help="the coordinator alone")
     common(coordinator)
@@ -177,4 +206,6 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--device", default="auto", help="auto or cpu")
     worker.add_argument("--join-timeout", type=float, default=300.0,
                         help="keep trying to join this long")
+    worker.add_argument("--fault", action="append", default=[], metavar="KIND:N",
+                        help="inject a fault (repeatable): slow:MS or crash:STEP")
     return parser

@@ -1,9 +1,10 @@
 """`launch_local`: a coordinator in this process and N worker processes on this machine.
 
 Workers are real processes (`python -m run worker ...`) talking to the coordinator over tcp
-loopback. Their stderr is relayed line by line with a `[worker R]` prefix; a worker that
-fails ends the whole run at once with its one-line error, since nobody would replace it
-here. Every worker is reaped in `finally`, and each is also told by the kernel to die with
+loopback. Their stderr is relayed line by line with a `[worker R]` prefix. A worker that
+fails with an error (its SPEC raised, say) ends the whole run at once with its one-line
+error, since every worker would fail the same way; a worker killed by a signal (a crash,
+injected or not) is removed at once and the run goes on with the others. Every worker is reaped in `finally`, and each is also told by the kernel to die with
 this process (PR_SET_PDEATHSIG), so none outlives a launcher that is killed.
 """
 
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from bus.transport import new_event_loop
-from nodes.coordinator import Progress
+from nodes.coordinator import Coordinator, Progress
+from run.faults import parse_local
 from run.options import RunOptions, make_coordinator
 from run.spec import load_spec
 
@@ -61,18 +63,21 @@ async def _launch(
     workers: list[asyncio.subprocess.Process] = []
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     relays = []
+    faults = parse_local(options.faults, options.workers)
     try:
         for rank in range(options.workers):
+            fault_flags = [f"--fault={f}" for f in faults.get(rank, [])]
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "run", "worker", spec_source, "--connect", endpoint,
                 "--rank", str(rank), "--threads", str(per_worker), "--log-level", log_level,
+                *fault_flags,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
                 preexec_fn=_die_with_parent,
             )
             workers.append(process)
-            relays.append(asyncio.create_task(_relay(rank, process, failure)))
+            relays.append(asyncio.create_task(_relay(rank, process, failure, coordinator)))
         training = asyncio.create_task(coordinator.run())
         await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
@@ -89,8 +94,12 @@ async def _launch(
         await asyncio.gather(*relays, return_exceptions=True)
 
 
-async def _relay(rank: int, process: asyncio.subprocess.Process, failure: asyncio.Future[str]) -> None:
-    """Copy a worker's stderr to ours; if it exits non-zero, report its last word."""
+async def _relay(
+    rank: int, process: asyncio.subprocess.Process, failure: asyncio.Future[str],
+    coordinator: Coordinator,
+) -> None:
+    """Copy a worker's stderr to ours; if it fails, report its last word; if it is killed,
+    have the coordinator go on without it."""
     assert process.stderr is not None
     last_error = ""
     tail: list[str] = []
@@ -103,6 +112,13 @@ async def _relay(rank: int, process: asyncio.subprocess.Process, failure: asynci
         if not failure.done():
             print(f"[worker {rank}] {line}", file=sys.stderr, flush=True)
     code = await process.wait()
+    if code < 0:
+        name = signal.Signals(-code).name
+        if await coordinator.remove(rank, f"was killed by {name}: removed; going on without it"):
+            return
+        if not failure.done() and code != -signal.SIGTERM:
+            failure.set_result(f"worker {rank} was killed by {name}")
+        return
     if code != 0 and not failure.done():
         why = last_error or (tail[-1] if tail else "no message")
         failure.set_result(f"worker {rank} failed (exit status {code}): {why}")

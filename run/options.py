@@ -5,18 +5,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from nodes.config import CoordinatorConfig
 from nodes.coordinator import Coordinator, Progress
+from run.faults import parse_local
 from run.spec import Spec
-from strategies import Strategy, Sync
-
-STRATEGIES: dict[str, Callable[..., Strategy]] = {"sync": Sync}
+from strategies import STRATEGIES, Strategy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +32,11 @@ class RunOptions:
     heartbeat_s: float = 0.5
     timeout_s: float = 10.0
     join_timeout_s: float = 300.0
+    # The strategy's own options, by keyword (backups, staleness, average_every, ...):
+    # only those the user set; each must be one the chosen strategy takes.
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    faults: tuple[str, ...] = ()  # `local` only: slow:RANK:MS, crash:RANK:STEP
+    eval_every_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -42,6 +47,19 @@ class RunOptions:
             raise ValueError("give --steps or --epochs, not both")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        parse_local(self.faults, self.workers)
+        make_strategy(self)  # one-line errors for strategy options now, not at start-up
+
+
+def make_strategy(options: RunOptions) -> Strategy:
+    """The chosen strategy with the options given; a flag it does not take is an error."""
+    cls = STRATEGIES[options.strategy]
+    for name in options.strategy_options:
+        if name not in cls.options:
+            takers = sorted(s for s, c in STRATEGIES.items() if name in c.options)
+            raise ValueError(f"--{name.replace('_', '-')} is an option of {' and '.join(takers)}, "
+                             f"not of {options.strategy}")
+    return cls(workers=options.workers, **options.strategy_options)
 
 
 def make_coordinator(
@@ -65,8 +83,9 @@ def make_coordinator(
         timeout_s=options.timeout_s,
         join_timeout_s=options.join_timeout_s,
         metrics=options.metrics,
+        eval_every_s=options.eval_every_s,
     )
-    strategy = STRATEGIES[options.strategy](workers=options.workers)
+    strategy = make_strategy(options)
     return Coordinator(
         model=model,
         strategy=strategy,

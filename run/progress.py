@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TextIO
 
@@ -52,7 +53,7 @@ class ProgressLine:
 
 
 def _clock(seconds: float) -> str:
-    if seconds != seconds:  # NaN: no rate yet
+    if math.isnan(seconds):  # no rate yet
         return "?"
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes}:{secs:02d}"

@@ -1,5 +1,10 @@
-"""Consistency models: pure policy objects that turn coordinator events into decisions."""
+"""Consistency models: pure policy objects that turn coordinator events into decisions.
 
+`STRATEGIES` maps each model's name (as `--strategy` takes it) to its class. A new model
+is one file with a `Strategy` subclass, and one line here.
+"""
+
+from strategies.average import OuterOptimizer, PeriodicAveraging
 from strategies.base import (
     Apply,
     Arrived,
@@ -7,31 +12,47 @@ from strategies.base import (
     Drop,
     DropReason,
     Event,
+    Hold,
     Joined,
     Keep,
     Left,
     PushKind,
+    Release,
     Rhythm,
     Stall,
     Strategy,
     Tick,
+    Wait,
 )
+from strategies.stale import Async, StaleSync
 from strategies.sync import Sync
 
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Sync, StaleSync, Async, PeriodicAveraging)
+}
+
 __all__ = [
+    "STRATEGIES",
     "Apply",
     "Arrived",
+    "Async",
     "Decision",
     "Drop",
     "DropReason",
     "Event",
+    "Hold",
     "Joined",
     "Keep",
     "Left",
+    "OuterOptimizer",
+    "PeriodicAveraging",
     "PushKind",
+    "Release",
     "Rhythm",
+    "StaleSync",
     "Stall",
     "Strategy",
     "Sync",
     "Tick",
+    "Wait",
 ]

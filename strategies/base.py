@@ -5,6 +5,11 @@ The coordinator feeds it events (a worker joined or left, an update arrived, tim
 with `now` supplied by the caller) and carries out the decisions it returns. It also states
 the rhythm its workers follow (`Rhythm`), which the coordinator hands each worker on join,
 so that no node branches on the strategy's name.
+
+Holding workers back is one mechanism for every model: the coordinator answers a worker's
+request (its Ready, or its Push) only when the strategy releases it. The start gate (no
+one trains until the configured number of workers is ready) lives here, in the base class;
+ssp uses the same Hold and Release to bound clock gaps.
 """
 
 from __future__ import annotations
@@ -20,21 +25,48 @@ class PushKind(str, enum.Enum):
     WEIGHTS = "weights"  # workers own optimizers and push weights to be averaged
 
 
+class Wait(str, enum.Enum):
+    """What a worker waits for once its push is answered, before it computes again."""
+
+    NEWER = "newer"  # a version newer than the one it computed on (sync, average)
+    ANSWERED = "answered"  # the version named in the answer: all updates taken before it (ssp)
+    NOTHING = "nothing"  # goes on with the newest weights it has (async)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rhythm:
     """What a worker does between pushes."""
 
     push: PushKind
     local_steps: int = 1  # optimizer steps (or gradients) between pushes
-    wait: bool = True  # after a push, wait for a newer version before computing again
+    wait: Wait = Wait.NEWER
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterOptimizer:
+    """SGD on the averaged change; lr 1 and no momentum is plain averaging."""
+
+    lr: float
+    momentum: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("Nesterov needs an outer momentum above 0")
 
 
 class DropReason(str, enum.Enum):
     """Why an update was not used; counted in the summary under these names."""
 
-    STALE = "stale"  # computed on a version older than the one being built
+    LATE = "late"  # computed on the version just built without it (a backup's late gradient)
+    STALE = "stale"  # computed on a version older than that
     AHEAD = "ahead"  # claims a version the coordinator has not published
     DUPLICATE = "duplicate"  # a second update from the same worker for the same version
+    EARLY = "early"  # pushed before training started (before the start gate opened)
     NOT_MEMBER = "not_member"  # the sender is not (or no longer) a training member
     NOT_FINITE = "not_finite"  # holds NaN or infinity
 
@@ -44,6 +76,8 @@ class DropReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Joined:
+    """The worker is ready to train (it has its weights and its data)."""
+
     worker: int
     now: float
 
@@ -91,9 +125,28 @@ class Drop:
 
 @dataclass(frozen=True)
 class Apply:
-    """Average the held updates of `workers` (computed on `version`), take one step, publish."""
+    """Average the kept updates of `workers` (computed on `version`), take one step, publish.
+
+    `scale` multiplies the averaged gradient before the step (staleness damping); the new
+    version is always the coordinator's version plus one.
+    """
 
     version: int
+    workers: tuple[int, ...]
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Do not answer this worker's pending request (its Ready or Push) until released."""
+
+    worker: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """Answer the held requests of these workers now: they may go on."""
+
     workers: tuple[int, ...]
 
 
@@ -106,20 +159,75 @@ class Stall:
     waited_s: float
 
 
-Decision = Keep | Drop | Apply | Stall
+Decision = Keep | Drop | Apply | Hold | Release | Stall
 
 
 class Strategy(ABC):
-    """A consistency model. Subclasses are small: state, `handle`, and their rhythm."""
+    """A consistency model. Subclasses are small: state, `handle`, and their rhythm.
+
+    The base class keeps what every model needs: the live members, their clocks (updates
+    counted per member) and the start gate. `options` names the keyword arguments a
+    subclass takes beyond `workers`, so that launchers can tell a user which flag belongs
+    to which strategy without knowing any of them.
+    """
 
     name: ClassVar[str]
-    rhythm: ClassVar[Rhythm]
+    options: ClassVar[frozenset[str]] = frozenset()
+    outer: OuterOptimizer | None = None  # for weight pushes: None averages plainly
 
-    def __init__(self, *, workers: int) -> None:
+    def __init__(self, *, workers: int, rhythm: Rhythm, stall_after_s: float = 30.0) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
-        self.workers = workers  # how many to wait for before the first step
+        if not stall_after_s > 0:  # also refuses NaN
+            raise ValueError(f"stall_after_s must be positive, got {stall_after_s}")
+        self.workers = workers  # how many must be ready before anyone trains
+        self.rhythm = rhythm
+        self.stall_after_s = stall_after_s
+        self.version = 0  # updates applied so far, as the coordinator counts them
+        self.members: set[int] = set()
+        self.clocks: dict[int, int] = {}  # member -> updates it has pushed since it joined
+        self.started = False  # the start gate has opened
+        self._gated: list[int] = []  # members held at the start gate, in arrival order
 
     @abstractmethod
     def handle(self, event: Event) -> list[Decision]:
         """Take one event, return what the coordinator must do, in order."""
+
+    def clock_gap(self) -> int:
+        """The largest difference between two live members' clocks."""
+        live = [self.clocks[m] for m in self.members]
+        return max(live) - min(live) if live else 0
+
+    # For subclasses ------------------------------------------------------------------------
+
+    def _join(self, worker: int) -> list[Decision]:
+        """Count a member in; hold it at the start gate, or open the gate for everyone."""
+        if worker in self.members:
+            return []
+        # A late joiner starts level with the slowest, so that it holds nobody back.
+        self.clocks[worker] = min((self.clocks[m] for m in self.members), default=0)
+        self.members.add(worker)
+        if self.started:
+            return []
+        self._gated.append(worker)
+        if len(self.members) < self.workers:
+            return [Hold(worker)]
+        self.started = True
+        gated, self._gated = tuple(w for w in self._gated if w in self.members), []
+        return [Release(gated)]
+
+    def _leave(self, worker: int) -> None:
+        self.members.discard(worker)
+        self.clocks.pop(worker, None)
+        if worker in self._gated:  # its Ready will not be answered: it may come back anew
+            self._gated.remove(worker)
+
+    def _early(self, event: Arrived) -> list[Decision] | None:
+        """The drop for an update that no model may take, or None if it may be looked at."""
+        if event.worker not in self.members:
+            return [Drop(event.worker, event.version, DropReason.NOT_MEMBER)]
+        if not self.started:
+            return [Drop(event.worker, event.version, DropReason.EARLY)]
+        if event.version > self.version:
+            return [Drop(event.worker, event.version, DropReason.AHEAD)]
+        return None

@@ -139,8 +139,8 @@ SAMPLES = {
     Kind.JOIN: Join(sender=3, request=11, version=7, rank=2, layout="0f1e2d3c4b5a6978",
                     build="0.1.0"),
     Kind.WELCOME: Welcome(sender=COORDINATOR, request=11, version=7, rank=2, world_size=4,
-                          strategy="ssp", push="weights", local_steps=3, wait=False,
-                          batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5,
+                          strategy="ssp", push="weights", local_steps=3, wait="answered",
+                          batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05,
                           tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
@@ -499,12 +499,12 @@ def test_wrong_own_field_type(name, value, want, got):
 @pytest.mark.parametrize(
     ("message", "name", "value", "want", "got"),
     [
-        (SAMPLES[Kind.WELCOME], "wait", 1, "bool", "int"),
+        (SAMPLES[Kind.WELCOME], "wait", True, "str", "bool"),
         (SAMPLES[Kind.WELCOME], "heartbeat_s", "0.25", "float", "str"),
         (SAMPLES[Kind.LEAVE], "reason", 5, "str", "int"),
         (SAMPLES[Kind.JOIN], "rank", "2", "int", "str"),
     ],
-    ids=["bool", "float", "str", "int"],
+    ids=["str-given-bool", "float", "str", "int"],
 )
 def test_wrong_field_type_on_other_kinds(message, name, value, want, got):
     header, payload = split(message)

@@ -13,24 +13,37 @@ from strategies import (
     Arrived,
     Drop,
     DropReason,
+    Hold,
     Joined,
     Keep,
     Left,
     PushKind,
+    Release,
     Rhythm,
     Stall,
     Sync,
     Tick,
+    Wait,
 )
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def started(workers, ids=None, *, stall_after_s=30.0):
-    """A Sync whose members `ids` (default 0..workers-1) have all joined at t=0."""
+    """A Sync whose members `ids` (default 0..workers-1) have all joined at t=0.
+
+    Every joiner but the last is held at the start gate; the last opens it and releases
+    them all, in join order.
+    """
     sync = Sync(workers=workers, stall_after_s=stall_after_s)
-    for w in range(workers) if ids is None else ids:
-        assert sync.handle(Joined(w, 0.0)) == []
+    ids = list(range(workers)) if ids is None else list(ids)
+    assert len(ids) == workers
+    *gated, last = ids
+    for w in gated:
+        assert sync.handle(Joined(w, 0.0)) == [Hold(w)]
+        assert not sync.started
+    assert sync.handle(Joined(last, 0.0)) == [Release(tuple(ids))]
+    assert sync.started
     return sync
 
 
@@ -48,7 +61,7 @@ def run_round(sync, workers, now=1.0):
 
 def test_name_and_rhythm():
     assert Sync.name == "sync"
-    assert Sync.rhythm == Rhythm(push=PushKind.GRADIENT, local_steps=1, wait=True)
+    assert Sync(workers=2).rhythm == Rhythm(push=PushKind.GRADIENT, local_steps=1, wait=Wait.NEWER)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -67,31 +80,51 @@ def test_one_apply_per_round_on_the_last_arrival(n):
         assert sync.version == round_ + 1
 
 
-def test_initial_version_is_the_one_built():
-    sync = Sync(workers=1, version=41)
-    sync.handle(Joined(0, 0.0))
+def test_version_set_on_resume_is_the_one_built():
+    sync = started(1)
+    sync.version = 41  # as a coordinator resuming from a checkpoint sets it
     assert sync.handle(Arrived(0, 41, 1.0)) == [Keep(0, 41), Apply(41, (0,))]
     assert sync.version == 42
+    assert sync.handle(Arrived(0, 40, 2.0)) == [Drop(0, 40, DropReason.STALE)]
 
 
 def test_start_gate_waits_for_the_configured_workers():
-    sync = started(3, [0, 1])
-    assert sync.handle(Arrived(0, 0, 1.0)) == [Keep(0, 0)]
-    assert sync.handle(Arrived(1, 0, 2.0)) == [Keep(1, 0)]
+    sync = Sync(workers=3)
+    assert sync.handle(Joined(0, 0.0)) == [Hold(0)]
+    assert sync.handle(Joined(1, 0.5)) == [Hold(1)]
+    assert not sync.started
+    # Nobody was released yet, so anything pushed now is early.
+    assert sync.handle(Arrived(0, 0, 1.0)) == [Drop(0, 0, DropReason.EARLY)]
+    assert sync.handle(Arrived(1, 0, 2.0)) == [Drop(1, 0, DropReason.EARLY)]
     assert sync.version == 0
-    assert sync.handle(Joined(2, 3.0)) == []  # joined, but has not pushed
+    assert sync.handle(Joined(2, 3.0)) == [Release((0, 1, 2))]
+    assert sync.started
     assert sync.version == 0
+    assert sync.handle(Arrived(1, 0, 4.0)) == [Keep(1, 0)]  # the early push did not count
+    assert sync.handle(Arrived(0, 0, 4.0)) == [Keep(0, 0)]
     assert sync.handle(Arrived(2, 0, 4.0)) == [Keep(2, 0), Apply(0, (0, 1, 2))]
     assert sync.version == 1
 
 
 def test_start_gate_is_not_opened_by_a_leave():
+    sync = Sync(workers=3)
+    assert sync.handle(Joined(0, 0.0)) == [Hold(0)]
+    assert sync.handle(Joined(1, 1.0)) == [Hold(1)]
+    assert sync.handle(Left(1, 2.0)) == []  # 0 alone must not train by itself
+    assert not sync.started
+    assert sync.handle(Arrived(0, 0, 2.5)) == [Drop(0, 0, DropReason.EARLY)]
+    assert sync.handle(Joined(2, 3.0)) == [Hold(2)]  # two members: still one short
+    assert sync.handle(Joined(3, 4.0)) == [Release((0, 2, 3))]  # 1 left: not released
+    assert run_round(sync, [0, 2, 3]) == Apply(0, (0, 2, 3))
+
+
+def test_after_the_gate_opens_a_leave_lets_the_rest_go_on():
     sync = started(2)
     assert sync.handle(Arrived(0, 0, 1.0)) == [Keep(0, 0)]
-    assert sync.handle(Left(1, 2.0)) == []  # 0 alone must not train by itself
-    assert sync.version == 0
-    assert sync.handle(Joined(2, 3.0)) == []
-    assert sync.handle(Arrived(2, 0, 4.0)) == [Keep(2, 0), Apply(0, (0, 2))]
+    assert sync.handle(Left(1, 2.0)) == [Apply(0, (0,))]
+    assert sync.version == 1
+    assert sync.handle(Joined(2, 3.0)) == []  # a later joiner is not held
+    assert run_round(sync, [2, 0]) == Apply(1, (0, 2))
 
 
 def test_after_the_first_step_fewer_workers_go_on():
@@ -110,14 +143,24 @@ def test_arrival_order_does_not_matter(order):
 # Drops --------------------------------------------------------------------------------
 
 
-def test_stale_update_is_dropped():
+def test_update_for_the_previous_version_is_dropped_as_late():
     sync = started(2)
     run_round(sync, [0, 1])
-    assert sync.handle(Arrived(1, 0, 5.0)) == [Drop(1, 0, DropReason.STALE)]
+    assert sync.handle(Arrived(1, 0, 5.0)) == [Drop(1, 0, DropReason.LATE)]
     assert sync.version == 1
-    # The stale update does not count for version 1: 1 must still push.
+    # The late update does not count for version 1: 1 must still push.
     assert sync.handle(Arrived(0, 1, 6.0)) == [Keep(0, 1)]
     assert sync.handle(Arrived(1, 1, 7.0)) == [Keep(1, 1), Apply(1, (0, 1))]
+
+
+def test_update_for_an_older_version_is_dropped_as_stale():
+    sync = started(2)
+    run_round(sync, [0, 1])
+    run_round(sync, [1, 0])
+    assert sync.handle(Arrived(1, 0, 5.0)) == [Drop(1, 0, DropReason.STALE)]
+    assert sync.handle(Arrived(0, 1, 5.0)) == [Drop(0, 1, DropReason.LATE)]
+    assert sync.version == 2
+    assert run_round(sync, [0, 1]) == Apply(2, (0, 1))
 
 
 @pytest.mark.parametrize("version", [1, 2, 10**6])

@@ -1,0 +1,156 @@
+"""Integration: every consistency model in one event loop, over real ZeroMQ on loopback.
+
+The checks are the semantics of DESIGN.md that hold exactly: periodic averaging with plain
+SGD and H = 1 equals sync; with H > 1 it equals local SGD computed by hand (each worker's
+H steps on its own shard from the published weights, then the mean); an outer optimizer of
+lr 1 without momentum is plain averaging; ssp with S = 0 is lockstep and records its clock
+gaps and staleness; async applies every gradient as it comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+LR = 0.05
+
+
+def _load_digits() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("digits_spec_models", ROOT / "examples" / "digits.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+digits = _load_digits()
+
+
+def _sgd(params):  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _initial() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return digits.model()
+
+
+def _train(strategy: Strategy, steps: int, b: int) -> tuple[Coordinator, dict]:
+    """Train with in-loop workers (plain SGD everywhere) and return the coordinator and summary."""
+
+    async def train() -> tuple[Coordinator, dict]:
+        coordinator = Coordinator(
+            model=_initial(), strategy=strategy, optimizer=_sgd,
+            config=CoordinatorConfig(batch_size=b, steps=steps),
+        )
+        endpoint = coordinator.bind()
+        workers = [
+            Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=_sgd,
+                   config=WorkerConfig(connect=endpoint, rank=rank))
+            for rank in range(strategy.workers)
+        ]
+        results = await asyncio.gather(coordinator.run(), *(w.run() for w in workers))
+        return coordinator, results[0]
+
+    return asyncio.run(train())
+
+
+def _local_sgd(workers: int, rounds: int, h: int, b: int) -> torch.nn.Module:
+    """Local SGD by hand: each round, every worker takes h SGD steps from the average."""
+    model = _initial()
+    shards = [iter(digits.data(rank, workers, b)) for rank in range(workers)]
+    for _ in range(rounds):
+        start = [p.detach().clone() for p in model.parameters()]
+        finals = []
+        for shard in shards:
+            with torch.no_grad():
+                for p, s in zip(model.parameters(), start, strict=True):
+                    p.copy_(s)
+            optimizer = _sgd(model.parameters())
+            for _ in range(h):
+                inputs, targets = next(shard)
+                optimizer.zero_grad()
+                digits.loss(model(inputs), targets).backward()
+                optimizer.step()
+            finals.append([p.detach().clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.copy_(torch.stack([f[i] for f in finals]).mean(dim=0))
+    return model
+
+
+def _assert_same(got: torch.nn.Module, want: torch.nn.Module, *, atol: float = 1e-5) -> None:
+    moved = 0.0
+    for (name, g), w, s in zip(got.named_parameters(), want.parameters(), _initial().parameters(),
+                               strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=atol, msg=f"parameter {name}")
+        moved = max(moved, (w - s).abs().max().item())
+    assert moved > 1e-2  # compared weights that trained, not the initial ones
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_average_with_one_local_step_equals_sync(workers: int) -> None:
+    steps, b = 15, 8
+    synced, sync_summary = _train(Sync(workers=workers), steps, b)
+    averaged, summary = _train(PeriodicAveraging(workers=workers, average_every=1), steps, b)
+    assert summary["steps"] == sync_summary["steps"] == steps
+    assert summary["samples"] == sync_summary["samples"] == steps * workers * b
+    _assert_same(averaged.model, synced.model)
+
+
+def test_average_every_h_equals_local_sgd_by_hand() -> None:
+    workers, rounds, h, b = 3, 5, 4, 8
+    averaged, summary = _train(PeriodicAveraging(workers=workers, average_every=h), rounds, b)
+    assert summary["steps"] == rounds
+    assert summary["samples"] == rounds * workers * h * b
+    _assert_same(averaged.model, _local_sgd(workers, rounds, h, b))
+
+
+def test_outer_sgd_with_lr_one_is_plain_averaging() -> None:
+    workers, rounds, h, b = 2, 4, 3, 8
+    plain, _ = _train(PeriodicAveraging(workers=workers, average_every=h), rounds, b)
+    outer, _ = _train(PeriodicAveraging(workers=workers, average_every=h, outer_lr=1.0), rounds, b)
+    _assert_same(outer.model, plain.model)
+
+
+def test_outer_momentum_changes_the_result() -> None:
+    workers, rounds, h, b = 2, 4, 3, 8
+    plain, _ = _train(PeriodicAveraging(workers=workers, average_every=h), rounds, b)
+    nesterov, _ = _train(PeriodicAveraging(workers=workers, average_every=h, outer_lr=0.7,
+                                           outer_momentum=0.9, nesterov=True), rounds, b)
+    gap = max((a - c).abs().max().item()
+              for a, c in zip(plain.model.parameters(), nesterov.model.parameters(), strict=True))
+    assert gap > 1e-4
+
+
+def test_ssp_with_staleness_zero_is_lockstep() -> None:
+    workers, steps = 3, 30
+    _coordinator, summary = _train(StaleSync(workers=workers, staleness=0), steps, 8)
+    assert summary["steps"] == steps
+    assert summary["max_clock_gap"] <= 1
+    pushes = [c["pushes"] for c in summary["per_worker"].values()]
+    assert max(pushes) - min(pushes) <= 1
+    # A released worker catches up to the version its answer names (which holds the whole
+    # last round but, for the last pusher, its own gradient): at most N versions old.
+    assert summary["max_staleness"] <= workers
+
+
+def test_async_applies_every_gradient_and_records_staleness() -> None:
+    workers, steps, b = 3, 30, 8
+    _coordinator, summary = _train(Async(workers=workers), steps, b)
+    assert summary["steps"] == steps
+    assert summary["samples"] == steps * b  # one gradient, one batch, one version
+    applied = sum(c["applied"] for c in summary["per_worker"].values())
+    assert applied == steps
+    assert all(c["held_s"] == 0 for c in summary["per_worker"].values())
