@@ -16,26 +16,29 @@ class ProgressLine:
         self._every = every_s if self._tty else log_every_s
         self._last = 0.0
         self._shown = False
-        self._origin: tuple[float, int, int] | None = None  # (wall_s, version, samples) at first
+        self._origin: tuple[float, int, int, float] | None = None  # wall_s, version, samples, done
 
     def __call__(self, p: Progress) -> None:
         now = time.monotonic()
-        final = p.target is not None and p.version >= p.target
+        final = p.done is not None and p.done >= 1.0
         if now - self._last < self._every and not final:
             return
         self._last = now
         # Rates from the first step on: start-up (workers importing torch) is not training.
         if self._origin is None:
-            self._origin = (p.wall_s, p.version, p.samples)
+            self._origin = (p.wall_s, p.version, p.samples, p.done or 0.0)
         elapsed = p.wall_s - self._origin[0]
         rate = (p.version - self._origin[1]) / elapsed if elapsed > 0 else 0.0
         sample_rate = (p.samples - self._origin[2]) / elapsed if elapsed > 0 else 0.0
         line = f"v{p.version}"
-        if p.target:
-            done = p.version / p.target
+        if p.done is not None:
+            done = min(p.done, 1.0)
             bar = "#" * int(done * 24)
-            eta = (p.target - p.version) / rate if rate else float("nan")
-            line = f"[{bar:<24}] {p.version}/{p.target}  eta {_clock(eta)}"
+            spent = p.wall_s - self._origin[0]
+            gained = done - self._origin[3]
+            eta = spent * (1 - done) / gained if gained > 0 else float("nan")
+            of = f"/{p.target}" if p.target else ""
+            line = f"[{bar:<24}] v{p.version}{of} {done:.0%}  eta {_clock(eta)}"
         line += f"  {rate:.1f} steps/s  {sample_rate:.0f} samples/s"
         line += f"  loss {p.loss:.4f}"
         if self._tty:
