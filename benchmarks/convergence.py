@@ -19,6 +19,7 @@ model, one panel per condition). Takes a few minutes on 2 cores:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -31,8 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from run.local import launch_local  # noqa: E402
-from run.options import RunOptions  # noqa: E402
+from run.local import launch_local
+from run.options import RunOptions
 
 SPEC = ROOT / "examples" / "fashion_mnist.py"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -79,7 +80,7 @@ def run(model: Model, args: argparse.Namespace, slow_ms: int | None, workdir: Pa
         "time_to_target_s": reached, "dropped": summary["dropped"],
         "max_staleness": summary["max_staleness"], "max_clock_gap": summary["max_clock_gap"],
         "per_worker": summary["per_worker"],
-        "median_step_s": statistics.median(b - a for a, b in zip(steps, steps[1:], strict=False))
+        "median_step_s": statistics.median(b - a for a, b in itertools.pairwise(steps))
         if len(steps) > 2 else None,
         "curve": curve,
     }
@@ -96,19 +97,20 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, slow_ms: int)
         ref = sync["time_to_target_s"]
         return f"{t:.1f} s ({ref / t:.2f}x)" if ref else f"{t:.1f} s"
 
-    lines = [
+    intro = (
         f"Fashion-MNIST MLP (784-256-128-10), {args.epochs} epoch(s) of samples per run "
         f"({results[0]['samples']} samples in the first), batch {args.batch_size} per worker, "
         f"SGD lr {args.lr}, one torch thread per worker, 2-core machine. Straggler: worker "
         f"{STRAGGLER} sleeps {slow_ms} ms in every step (twice the calm sync step). Time is "
         "training time (from the start gate); the ratio in brackets is sync's time to target "
-        "in the same condition divided by this model's (above 1: faster than sync).",
-        "",
+        "in the same condition divided by this model's (above 1: faster than sync)."
+    )
+    header = (
         f"| model | accuracy | train time | time to {args.target:.0%} | "
         f"accuracy (straggler) | train time (straggler) | time to {args.target:.0%} (straggler) | "
-        "dropped (straggler) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+        "dropped (straggler) |"
+    )
+    lines = [intro, "", header, "|---|---|---|---|---|---|---|---|"]
     for model in MODELS:
         calm, slow = by[(model.label, False)], by[(model.label, True)]
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(slow["dropped"].items())) or "-"
