@@ -236,7 +236,7 @@ class Coordinator:
         member = next((m for m in self._members if m.rank == rank), None)
         if member is None or self._done is None or self._done.done():
             return False
-        self._depart(member, why, lost=True)
+        await self._depart(member, why, lost=True)
         await self._carry_out(self.strategy.handle(Left(rank, time.monotonic())))
         return True
 
@@ -299,7 +299,7 @@ class Coordinator:
                     await self._send_weights(peer, Weights(request=message.request))
             case Leave(reason=reason, detail=detail):
                 await self._reply(peer, Ack(request=message.request, version=self.version))
-                self._depart(member, f"left ({reason}{': ' + detail if detail else ''})")
+                await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})")
                 if reason == "error":
                     self._errors.append(f"worker {member.rank}: {detail}")
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
@@ -539,7 +539,7 @@ class Coordinator:
             now = time.monotonic()
             await self._server.publish(encode(Heartbeat(version=self.version, phase=self.state.value)))
             for member in self._members.silent(now, self.config.timeout_s):
-                self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
+                await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))
             self._check_phase(now)
@@ -564,10 +564,16 @@ class Coordinator:
         await self._unpark(list(self._parked), stop=True)
         await self._server.publish(encode(Stop(version=self.version, reason="done")))
 
-    def _depart(self, member: Member, why: str, *, lost: bool = False) -> None:
+    async def _depart(self, member: Member, why: str, *, lost: bool = False) -> None:
         # A departed worker's kept update stays held: the strategy may still count it.
         self._members.remove(member)
-        self._parked.pop(member.rank, None)
+        parked = self._parked.pop(member.rank, None)
+        if parked is not None:
+            # It may still be alive and waiting (removed for silence, say): never leave it
+            # waiting on an answer that will not come while our heartbeats keep it patient.
+            await self._reply(parked.peer, Reject(request=parked.request,
+                                                  code=RejectCode.UNKNOWN_WORKER.value,
+                                                  detail=f"removed: {why}"))
         if lost:
             self.metrics.lost.append(
                 {"rank": member.rank, "version": member.version, "phase": member.phase}

@@ -70,7 +70,3 @@ class Membership:
 
     def silent(self, now: float, timeout_s: float) -> list[Member]:
         return [m for m in self._by_rank.values() if now - m.last_seen > timeout_s]
-
-    def clock_gap(self) -> int:
-        clocks = [m.clock for m in self._by_rank.values() if m.ready]
-        return max(clocks) - min(clocks) if clocks else 0

@@ -50,6 +50,7 @@ from bus.messages import (
 from bus.transport import ZmqClient
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
+from strategies.base import PushKind, Wait
 
 log = logging.getLogger("tensorbus.worker")
 
@@ -181,10 +182,11 @@ class Worker:
     # Training ------------------------------------------------------------------------------
 
     async def _train(self, welcome: Welcome) -> None:
+        wait = Wait(welcome.wait)
         self._enter(Phase.LOADING)
         shards = await asyncio.to_thread(self._load, welcome)
         batches = len(shards) if isinstance(shards, Sized) else -1
-        if welcome.push == "weights":
+        if PushKind(welcome.push) is PushKind.WEIGHTS:
             make = self._make_optimizer or (lambda ps: torch.optim.SGD(ps, lr=welcome.lr))
             self._optimizer = make(self._model.parameters())
         # Answered when the coordinator's start gate opens: everyone starts together.
@@ -212,10 +214,10 @@ class Worker:
                 log.info("worker %d: update on version %d dropped (%s)", self.rank, computed_on, ack.dropped)
                 continue  # it does not count for its version: compute again, don't wait
             # What to wait for is the strategy's (see strategies.base.Wait).
-            if welcome.wait == "newer":
+            if wait is Wait.NEWER:
                 self._enter(Phase.WAITING)
                 await self._await_version(newer_than=computed_on)
-            elif welcome.wait == "answered" and ack.version > self.version:
+            elif wait is Wait.ANSWERED and ack.version > self.version:
                 self._enter(Phase.WAITING)
                 await self._await_version(newer_than=ack.version - 1)
 

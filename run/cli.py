@@ -108,8 +108,8 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-STRATEGY_FLAGS = ("backups", "staleness", "staleness_lr", "average_every", "outer_lr",
-                  "outer_momentum", "nesterov")
+# Every strategy option has a flag below; which strategy takes which is the strategy's say.
+STRATEGY_FLAGS = sorted(set().union(*(cls.options for cls in STRATEGIES.values())))
 
 
 def _run_options(args: argparse.Namespace) -> RunOptions:

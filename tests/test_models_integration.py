@@ -16,7 +16,11 @@ from types import ModuleType
 
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 
+from bus.codec import decode, encode
+from bus.messages import BUILD, Join, Message, Ready, Reject, Welcome
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
 
@@ -154,3 +158,38 @@ def test_async_applies_every_gradient_and_records_staleness() -> None:
     applied = sum(c["applied"] for c in summary["per_worker"].values())
     assert applied == steps
     assert all(c["held_s"] == 0 for c in summary["per_worker"].values())
+
+
+def test_a_worker_removed_while_held_is_told_so_not_left_waiting() -> None:
+    """A parked request (here a Ready at the start gate) of a worker removed for silence is
+    answered with a Reject, so that the worker ends instead of waiting on our heartbeats."""
+
+    async def scenario() -> Message:
+        coordinator = Coordinator(
+            model=_initial(), strategy=Sync(workers=2),
+            config=CoordinatorConfig(batch_size=8, steps=5, heartbeat_s=0.1, timeout_s=0.5,
+                                     join_timeout_s=30),
+        )
+        endpoint = coordinator.bind()
+        run = asyncio.create_task(coordinator.run())
+        context = zmq.asyncio.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(endpoint)
+        try:
+            join = Join(sender=-1, request=1, layout=coordinator.flat.layout.digest, build=BUILD)
+            await socket.send_multipart(encode(join))
+            welcome = decode(await asyncio.wait_for(socket.recv_multipart(copy=False), 5.0))
+            assert isinstance(welcome, Welcome)
+            # Ready is held at the gate (one of two workers); then no heartbeats: removed.
+            await socket.send_multipart(encode(Ready(sender=welcome.rank, request=2, batches=10)))
+            return decode(await asyncio.wait_for(socket.recv_multipart(), 5.0))
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            socket.close()
+            context.term()
+
+    answer = asyncio.run(scenario())
+    assert isinstance(answer, Reject) and answer.request == 2
+    assert answer.code == "unknown_worker" and "removed" in answer.detail
