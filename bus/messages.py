@@ -110,6 +110,7 @@ class Welcome(Message):
     heartbeat_s: float
     timeout_s: float
     lr: float  # for a worker that owns its optimizer and the SPEC gives none
+    position: int = 0  # batches of its shard this rank had used (after a restart), to skip
 
 
 @dataclass(frozen=True, kw_only=True)

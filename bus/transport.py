@@ -4,6 +4,11 @@ Nodes see only the two small interfaces below (frames in, frames out), never a s
 their logic does not depend on how bytes move. Every socket lingers 0 ms on close, so that
 closing never waits on a peer that is gone, and receiving sockets refuse frames larger than
 the model allows (ZeroMQ drops the connection of a peer that sends one).
+
+With keys (see `bus.security`) every socket speaks CURVE: the ROUTER and PUB are CURVE
+servers behind a `KeyGate` that admits only the authorized worker keys, and the DEALER and
+SUB are CURVE clients pinned to the coordinator's public key. Without keys the sockets speak
+plain ZeroMQ (NULL), as on loopback.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from bus.buffers import Tracker
+from bus.security import ClientKeys, KeyGate, ServerKeys, curve_client, curve_server
 
 Frames = Sequence[Any]  # anything with the buffer protocol
 TRACK_ABOVE: Final = zmq.COPY_THRESHOLD  # smaller frames are copied by pyzmq: nothing to track
@@ -62,10 +68,23 @@ async def _send(socket: zmq.asyncio.Socket, frames: Frames) -> Tracker | None:
 class ZmqServer:
     """The coordinator's sockets: a ROUTER for requests and a PUB for broadcasts."""
 
-    def __init__(self, bind: str, *, max_message_bytes: int, pub_port: int | None = None) -> None:
+    def __init__(
+        self,
+        bind: str,
+        *,
+        max_message_bytes: int,
+        pub_port: int | None = None,
+        keys: ServerKeys | None = None,
+    ) -> None:
         host, port = split_endpoint(bind)
         self._context = zmq.asyncio.Context()
+        self._keys = keys
+        self._gate: KeyGate | None = None
         try:
+            if keys is not None:
+                # Listening before any bind: libzmq lets every CURVE key in while no ZAP
+                # handler is there.
+                self._gate = KeyGate(self._context, keys.authorized)
             self._router = self._socket(zmq.ROUTER, max_message_bytes)
             self._router.bind(f"tcp://{host}:{port or '*'}")
             self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -80,20 +99,27 @@ class ZmqServer:
             self._pub.bind(f"tcp://{host}:{want or '*'}")
             _, self.pub_port = split_endpoint(self._pub.getsockopt(zmq.LAST_ENDPOINT).decode())
         except zmq.ZMQError as e:
-            self._context.destroy(linger=0)
+            self.close()
             raise OSError(
                 f"cannot bind {bind} or its broadcast port ({e.strerror}); the broadcast port is "
                 "PORT+1 unless --pub-port says otherwise"
             ) from None
         except BaseException:
-            self._context.destroy(linger=0)
+            self.close()
             raise
         self.port = bound
+
+    @property
+    def rejected(self) -> int:
+        """CURVE handshakes refused for an unknown key (0 without keys)."""
+        return self._gate.rejected if self._gate is not None else 0
 
     def _socket(self, kind: int, max_message_bytes: int) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if self._keys is not None:
+            curve_server(socket, self._keys)
         return socket
 
     async def recv(self) -> tuple[bytes, list[memoryview]]:
@@ -107,21 +133,34 @@ class ZmqServer:
         return await _send(self._pub, frames)
 
     def close(self) -> None:
+        # The gate's sockets belong to a shadow of this context, which destroy() does not
+        # close: stop it first, or terminating the context would wait on them forever.
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
         self._context.destroy(linger=0)
 
 
 class ZmqClient:
     """A worker's sockets: a DEALER to the coordinator's ROUTER and a SUB to its PUB."""
 
-    def __init__(self, connect: str, *, max_message_bytes: int) -> None:
+    def __init__(
+        self, connect: str, *, max_message_bytes: int, keys: ClientKeys | None = None
+    ) -> None:
         self._host, _ = split_endpoint(connect)
         self._context = zmq.asyncio.Context()
         self._dealer = self._context.socket(zmq.DEALER)
         self._sub = self._context.socket(zmq.SUB)
-        for socket in (self._dealer, self._sub):
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._dealer.connect(connect)
+        try:
+            for socket in (self._dealer, self._sub):
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+                if keys is not None:
+                    curve_client(socket, keys)  # a malformed key fails here, before connect
+            self._dealer.connect(connect)
+        except BaseException:
+            self._context.destroy(linger=0)
+            raise
 
     def subscribe(self, pub_port: int) -> None:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")

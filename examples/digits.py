@@ -34,7 +34,7 @@ NUM_FEATURES = 64  # 8x8 pixels
 NUM_CLASSES = 10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load() -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(x_train, y_train, x_test, y_test), pixels scaled from 0..16 to [0, 1]; cached."""
     digits = load_digits()

@@ -56,7 +56,7 @@ def _read_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
     return body.reshape(shape)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(split: str) -> tuple[Tensor, Tensor]:
     """Load one split ("train" or "t10k") as (N x 784 float32, N int64), cached."""
     images_path = DATA_DIR / f"{split}-images-idx3-ubyte.gz"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.security import ClientKeys, ServerKeys
 from nodes.faults import Faults
 
 
@@ -23,8 +24,20 @@ class CoordinatorConfig:
     # Copy the weights every this many seconds of training, and evaluate the copies after
     # training (an accuracy-against-time curve that does not slow the run); None: no copies.
     eval_every_s: float | None = None
+    # Below this many live workers the run stops with an error instead of training on.
+    min_workers: int = 1
+    checkpoint_dir: Path | None = None  # where to write checkpoints (None: never)
+    checkpoint_every: int | None = None  # versions between checkpoints (None: only at the end)
+    resume: bool = False  # start from the newest checkpoint in checkpoint_dir, if any
+    keys: ServerKeys | None = None  # CURVE: encrypt, and admit only the authorized workers
 
     def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers must be at least 1, got {self.min_workers}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be at least 1, got {self.checkpoint_every}")
+        if (self.resume or self.checkpoint_every is not None) and self.checkpoint_dir is None:
+            raise ValueError("resume and checkpoint_every need a checkpoint_dir")
         if self.eval_every_s is not None and not self.eval_every_s > 0:
             raise ValueError(f"eval_every_s must be positive, got {self.eval_every_s}")
         if (self.steps is None) == (self.epochs is None):
@@ -48,8 +61,15 @@ class WorkerConfig:
     device: str = "cpu"
     join_timeout_s: float = 300.0  # how long to keep trying to join
     request_timeout_s: float = 10.0  # per request (join, push, pull, leave)
+    # After losing the coordinator (or being removed), keep trying to join again this long,
+    # counted from when it was last heard: long enough for a restart from a checkpoint.
+    reconnect_timeout_s: float = 60.0
     faults: Faults = field(default_factory=Faults)  # injected faults, for experiments
+    keys: ClientKeys | None = None  # CURVE: needed when the coordinator has keys
 
     def __post_init__(self) -> None:
         if self.rank < -1:
             raise ValueError(f"rank must be -1 (any) or at least 0, got {self.rank}")
+        for name in ("join_timeout_s", "request_timeout_s", "reconnect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

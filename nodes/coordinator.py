@@ -40,6 +40,7 @@ from bus.messages import (
     Welcome,
 )
 from bus.transport import ZmqServer
+from nodes import checkpoint
 from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
 from nodes.membership import Member, Membership
@@ -162,7 +163,15 @@ class Coordinator:
         self._started_at = 0.0
         self._stop_deadline = 0.0
         self._errors: list[str] = []  # why workers left with an error, for the final message
-        self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers)
+        self._departed: set[bytes] = set()  # connections that left cleanly: their last beats
+        self._positions: dict[int, int] = {}  # rank -> batches of its shard used so far
+        self._step_lock = asyncio.Lock()  # one update (or checkpoint) at a time
+        self._stop_requested: str | None = None
+        self._failure: str | None = None  # why the run failed, raised once workers are told
+        self._background: asyncio.Task[None] | None = None
+        self._warned: dict[tuple[bytes, str], float] = {}  # rate limit of rejection warnings
+        self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
+                               append=config.resume)
 
     def _make_optimizer(
         self, optimizer: OptimizerFactory | None, lr: float
@@ -186,7 +195,8 @@ class Coordinator:
         """Bind the sockets now (so that the endpoint is known); `run` binds if not done."""
         if self._server is None:
             self._server = ZmqServer(
-                self.config.bind, max_message_bytes=self._max_bytes, pub_port=self.config.pub_port
+                self.config.bind, max_message_bytes=self._max_bytes, pub_port=self.config.pub_port,
+                keys=self.config.keys,
             )
             log.info("listening on %s (broadcasts on port %d)", self.endpoint, self._server.pub_port)
         return self.endpoint
@@ -196,6 +206,8 @@ class Coordinator:
         self.bind()
         self._done = asyncio.get_running_loop().create_future()
         self._started_at = time.monotonic()
+        if self.config.resume:
+            self._resume()
         await self._publish()
         tasks = [asyncio.create_task(self._guard(c)) for c in (self._receive(), self._tick())]
         try:
@@ -208,7 +220,12 @@ class Coordinator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             assert self._server is not None
+            if self._server.rejected:  # CURVE handshakes of unlisted keys
+                self.metrics.rejected["handshake"] = self._server.rejected
             self._server.close()
+        if self._failure is not None:
+            self.metrics.close()
+            raise TrainingError(self._failure)
         try:
             self._evaluate_points()
             evaluation = self._evaluate(self.model) if self._evaluate else {}
@@ -240,6 +257,24 @@ class Coordinator:
         await self._carry_out(self.strategy.handle(Left(rank, time.monotonic())))
         return True
 
+    def request_stop(self, why: str) -> None:
+        """Stop gracefully (for SIGTERM or Ctrl-C): finish the update in flight, write a
+        checkpoint (with a checkpoint_dir), tell the workers to stop, and return the summary.
+        Call it from the coordinator's event loop."""
+        if self._stop_requested is not None or self._done is None or self._done.done():
+            return
+        self._stop_requested = why
+        log.warning("stop requested (%s): finishing the update in flight", why)
+        task = asyncio.get_running_loop().create_task(self._guard(self._graceful_stop(why)))
+        self._background = task  # a reference, so that the task is not collected
+
+    async def _graceful_stop(self, why: str) -> None:
+        async with self._step_lock:
+            if self.state in (State.STOPPING, State.STOPPED):
+                return
+            await self._checkpoint()
+            await self._stop(f"stop requested: {why}")
+
     def _enter(self, state: State, why: str) -> None:
         log.info("%s -> %s: %s", self.state.value, state.value, why)
         self.state = state
@@ -259,7 +294,7 @@ class Coordinator:
                 message = decode(frames, max_bytes=self._max_bytes, layout=self.flat.layout)
             except WireError as e:
                 self.metrics.rejected[e.code.value] += 1
-                log.warning("rejected a message from %s: %s", self._name(peer), e)
+                self._warn(peer, e.code.value, f"rejected a message from {self._name(peer)}: {e}")
                 await self._reply(peer, Reject(request=e.request, code=e.code.value, detail=str(e)))
                 continue
             await self._dispatch(peer, message)
@@ -271,8 +306,10 @@ class Coordinator:
             return
         member = self._members.get(peer)
         if member is None or member.rank != message.sender:
-            if not isinstance(message, Heartbeat | Leave):
-                await self._refuse(peer, message, RejectCode.UNKNOWN_WORKER, "join first")
+            if peer in self._departed and isinstance(message, Heartbeat | Leave):
+                return  # beats a worker sent before its Leave was taken
+            await self._refuse(peer, message, RejectCode.UNKNOWN_WORKER,
+                               "not a member: join first (or again, if removed)")
             return
         member.last_seen = now
         if self.state is State.STOPPING and not isinstance(message, Leave | Heartbeat):
@@ -290,6 +327,10 @@ class Coordinator:
                 await self._answer(peer, member, message.request, decisions, now, push=False)
                 await self._carry_out(decisions)
             case Push():
+                # Each push stands for `local_steps` batches of the sender's shard, taken
+                # or not: where its data has got to, for a restart.
+                self._positions[member.rank] = (self._positions.get(member.rank, 0)
+                                                + self.strategy.rhythm.local_steps)
                 await self._push(peer, member, message, now)
             case Pull(version=have):
                 if self._snapshot is not None and have >= self._snapshot.version:
@@ -299,6 +340,7 @@ class Coordinator:
                     await self._send_weights(peer, Weights(request=message.request))
             case Leave(reason=reason, detail=detail):
                 await self._reply(peer, Ack(request=message.request, version=self.version))
+                self._departed.add(peer)
                 await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})")
                 if reason == "error":
                     self._errors.append(f"worker {member.rank}: {detail}")
@@ -317,17 +359,21 @@ class Coordinator:
                 f"{self.flat.layout.digest}: both must load the same SPEC",
             )
             return
+        again = self._members.get(peer) is not None  # a repeated Join (a retry): no-op
         admitted = self._members.join(peer, message.rank, now)
         if isinstance(admitted, RejectCode):
             await self._refuse(peer, message, admitted, f"rank {message.rank} not available")
             return
-        log.info("worker %d joined (%s, build %s)", admitted.rank, self._name(peer), message.build)
+        if not again:
+            log.info("worker %d joined (%s, build %s)", admitted.rank, self._name(peer), message.build)
+            self.metrics.worker(admitted.rank)["joins"] += 1
         rhythm = self.strategy.rhythm
         welcome = Welcome(
             request=message.request, rank=admitted.rank, world_size=self.strategy.workers,
             strategy=self.strategy.name, push=rhythm.push.value, local_steps=rhythm.local_steps,
             wait=rhythm.wait.value, batch_size=self.config.batch_size, pub_port=self._pub_port(),
             heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,
+            position=self._positions.get(admitted.rank, 0),
         )
         await self._send_weights(peer, welcome)
 
@@ -398,6 +444,12 @@ class Coordinator:
 
     async def _apply(self, decision: Apply) -> None:
         held = [self._held.pop(w) for w in decision.workers]
+        async with self._step_lock:
+            if self.state in (State.STOPPING, State.STOPPED):
+                return  # stopped while this update waited for the one in flight
+            await self._apply_locked(decision, held)
+
+    async def _apply_locked(self, decision: Apply, held: list[_Held]) -> None:
         if self._target is None and self._target_samples is None:
             self._target_samples = self._epochs_to_samples()
         await asyncio.to_thread(self._step, [h.tensors for h in held], decision.scale)
@@ -420,7 +472,11 @@ class Coordinator:
         if done is not None and done >= 1.0:
             what = (f"version {self.version}" if self._target is not None
                     else f"{self.metrics.samples} samples")
+            await self._checkpoint()
             await self._stop(f"reached {what}")
+        elif (self.config.checkpoint_every is not None
+              and self.version % self.config.checkpoint_every == 0):
+            await self._checkpoint()
 
     def _done_share(self) -> float | None:
         if self._target is not None:
@@ -466,6 +522,57 @@ class Coordinator:
         log.info("%d epoch(s) over %d workers' %d batches: %d samples",
                  epochs, len(batches), sum(batches), samples)
         return samples
+
+    # Checkpoints -----------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a restarted coordinator needs to go on: tensors and plain values only."""
+        return {
+            "version": self.version,
+            "layout": self.flat.layout.digest,
+            "strategy": self.strategy.name,
+            "strategy_state": self.strategy.state(),
+            "weights": list(self.flat.weights),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "samples": self.metrics.samples,
+            "target_samples": self._target_samples,
+            "positions": dict(self._positions),
+        }
+
+    async def _checkpoint(self) -> None:
+        """Write a checkpoint if configured. Called under the step lock, so that nothing
+        changes the state while a thread writes it (the loop keeps beating meanwhile)."""
+        directory = self.config.checkpoint_dir
+        if directory is None or self.version == 0:
+            return
+        started = time.monotonic()
+        path = await asyncio.to_thread(checkpoint.save, directory, self.checkpoint_state())
+        self.metrics.write("checkpoint", version=self.version, path=str(path),
+                           seconds=round(time.monotonic() - started, 6))
+        log.info("checkpoint of version %d written to %s", self.version, path)
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint of the checkpoint directory, if there is one."""
+        directory = self.config.checkpoint_dir
+        assert directory is not None  # config guarantees it with resume
+        path = checkpoint.newest(directory)
+        if path is None:
+            log.warning("--resume: no checkpoint in %s yet: starting from scratch", directory)
+            return
+        state = checkpoint.load(path, layout=self.flat.layout.digest)
+        if state["strategy"] != self.strategy.name:
+            raise checkpoint.CheckpointError(
+                f"{path} was written by strategy {state['strategy']}, not {self.strategy.name}"
+            )
+        self.flat.load(state["weights"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+        self.strategy.restore(state["strategy_state"])
+        self.metrics.resumed(self.version, state["samples"], str(path))
+        self._target_samples = state["target_samples"]
+        self._positions = dict(state["positions"])
+        log.warning("resumed from %s at version %d", path, self.version)
 
     # Evaluation points -----------------------------------------------------------------
 
@@ -527,8 +634,17 @@ class Coordinator:
 
     async def _refuse(self, peer: bytes, message: Message, code: RejectCode, detail: str) -> None:
         self.metrics.rejected[code.value] += 1
-        log.warning("refused %s from %s: %s: %s", message.KIND.name, self._name(peer), code.value, detail)
+        self._warn(peer, code.value, f"refused {message.KIND.name} from {self._name(peer)}: "
+                                     f"{code.value}: {detail}")
         await self._reply(peer, Reject(request=message.request, code=code.value, detail=detail))
+
+    def _warn(self, peer: bytes, code: str, text: str) -> None:
+        """Log a rejection, at most once a peer, code and 10 s: a hostile or confused peer
+        must not flood the log (every rejection is counted in the summary anyway)."""
+        now = time.monotonic()
+        if now - self._warned.get((peer, code), -math.inf) >= 10.0:
+            self._warned[(peer, code)] = now
+            log.warning("%s (further ones like it from this peer: counted, not logged, for 10 s)", text)
 
     # Time ----------------------------------------------------------------------------------
 
@@ -542,27 +658,45 @@ class Coordinator:
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))
-            self._check_phase(now)
+            await self._check_phase(now)
 
-    def _check_phase(self, now: float) -> None:
+    async def _check_phase(self, now: float) -> None:
         if self.state is State.STARTING and now - self._started_at > self.config.join_timeout_s:
-            raise TrainingError(
+            await self._fail(
                 f"only {len(self._members)} of {self.strategy.workers} workers joined within "
                 f"{self.config.join_timeout_s:.0f} s"
             )
-        if self.state is State.TRAINING and len(self._members) == 0:
-            why = "; ".join(self._errors) or "they left or went silent"
-            raise TrainingError(f"all workers are gone at version {self.version}: {why}")
+        if self.state is State.TRAINING and len(self._members) < self.config.min_workers:
+            why = "; ".join(self._errors) or "the others left or went silent"
+            lost = ", ".join(f"{w['rank']} (at version {w['version']}, {w['phase']})"
+                             for w in self.metrics.lost)
+            await self._fail(
+                f"{len(self._members)} worker(s) left at version {self.version}, fewer than "
+                f"the minimum of {self.config.min_workers}: {why}"
+                + (f"; lost: {lost}" if lost else "")
+            )
         if self.state is State.STOPPING and (len(self._members) == 0 or now > self._stop_deadline):
             if len(self._members):
                 log.warning("%d worker(s) did not leave in time", len(self._members))
             self._enter(State.STOPPED, "workers released")
 
+    async def _fail(self, why: str) -> None:
+        """End the run with an error: checkpoint (to resume once workers are back), tell the
+        workers to stop (so that none waits to reconnect to a coordinator that is not coming
+        back), let them leave, then `run` raises TrainingError with `why`."""
+        log.error("%s", why)
+        self._failure = why
+        async with self._step_lock:
+            await self._checkpoint()
+            await self._stop(why)
+
     async def _stop(self, why: str) -> None:
         assert self._server is not None
         self._enter(State.STOPPING, why)
+        self.metrics.ended = why
         await self._unpark(list(self._parked), stop=True)
-        await self._server.publish(encode(Stop(version=self.version, reason="done")))
+        reason = "error" if self._failure is not None else "done"
+        await self._server.publish(encode(Stop(version=self.version, reason=reason)))
 
     async def _depart(self, member: Member, why: str, *, lost: bool = False) -> None:
         # A departed worker's kept update stays held: the strategy may still count it.
@@ -578,6 +712,9 @@ class Coordinator:
             self.metrics.lost.append(
                 {"rank": member.rank, "version": member.version, "phase": member.phase}
             )
+            self.metrics.write("lost", rank=member.rank, version=member.version,
+                               phase=member.phase, clock=member.clock, why=why,
+                               train_s=round(self.metrics.train_s(), 6))
             log.warning("%s %s", member.describe(), why)
         else:
             log.info("%s %s", member.describe(), why)

@@ -17,8 +17,11 @@ from typing import IO, Any
 
 
 class Metrics:
-    def __init__(self, path: Path | None, *, strategy: str, workers: int) -> None:
-        self._file: IO[str] | None = path.open("w", encoding="utf-8") if path else None
+    def __init__(self, path: Path | None, *, strategy: str, workers: int,
+                 append: bool = False) -> None:
+        # A resumed run goes on in the same file, after the records of the run it resumes.
+        mode = "a" if append else "w"
+        self._file: IO[str] | None = path.open(mode, encoding="utf-8") if path else None
         self.strategy = strategy
         self.workers = workers
         self.started = time.monotonic()
@@ -33,12 +36,22 @@ class Metrics:
         self.per_worker: dict[int, dict[str, float]] = {}
         self.trained_from: float | None = None  # when the start gate opened
         self.trained_until: float | None = None  # when the stop began
+        self.ended = ""  # why training ended
+        self.resumed_from: int | None = None  # the checkpoint's version, in a resumed run
 
     def worker(self, rank: int) -> dict[str, float]:
         """The counters of one worker, made on first use."""
         if rank not in self.per_worker:
-            self.per_worker[rank] = {"pushes": 0, "applied": 0, "dropped": 0, "held_s": 0.0}
+            self.per_worker[rank] = {"joins": 0, "pushes": 0, "applied": 0, "dropped": 0,
+                                     "held_s": 0.0}
         return self.per_worker[rank]
+
+    def resumed(self, version: int, samples: int, path: str) -> None:
+        """Go on counting from a checkpoint: versions and samples done before it count."""
+        self.steps = version
+        self.samples = samples
+        self.resumed_from = version
+        self.write("resume", version=version, samples=samples, checkpoint=path)
 
     def training_started(self) -> None:
         self.trained_from = time.monotonic()
@@ -86,6 +99,8 @@ class Metrics:
             "max_staleness": self.max_staleness,
             "max_clock_gap": self.max_clock_gap,
             "lost": self.lost,
+            "ended": self.ended,
+            "resumed_from": self.resumed_from,
             "per_worker": {
                 str(rank): {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
                 for rank, c in sorted(self.per_worker.items())

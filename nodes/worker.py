@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, replace
@@ -43,6 +44,7 @@ from bus.messages import (
     Push,
     Ready,
     Reject,
+    RejectCode,
     Stop,
     Weights,
     Welcome,
@@ -73,6 +75,7 @@ class WorkerReport:
     pushes: int
     last_loss: float | None
     final_version: int
+    rejoins: int = 0  # times it joined again after losing the coordinator or being removed
 
 
 class _Stopped(Exception):
@@ -110,32 +113,28 @@ class Worker:
         self._newer = asyncio.Event()
         self._stopped = False
         self._coordinator_version = 0
-        self._coordinator_seen = time.monotonic()
+        self._coordinator_seen = -math.inf  # never heard: nobody to say goodbye to
         self._heartbeat_s = 0.5
         self._timeout_s = 10.0
         self._last_loss: float | None = None
         self._request_timeout_s = config.request_timeout_s
-        self._lost: PeerTimeoutError | None = None  # set by the watchdog
+        self._ended: asyncio.Future[Exception] | None = None  # set: this session is over
+        self._batches: _Epochs | None = None  # the shard's batches, kept across rejoins
+        self._shard: tuple[int, int, int] | None = None  # (rank, world size, batch size) of it
+        self.rejoins = 0
+        self._pub_port: int | None = None
 
     async def run(self) -> WorkerReport:
-        self._client = ZmqClient(self.config.connect, max_message_bytes=self.flat.layout.nbytes + 65536)
+        self._client = ZmqClient(self.config.connect, max_message_bytes=self.flat.layout.nbytes + 65536,
+                                 keys=self.config.keys)
         tasks = [asyncio.create_task(self._replies())]
         try:
-            welcome = await self._join()
-            self._client.subscribe(welcome.pub_port)
-            main = asyncio.current_task()
-            assert main is not None
-            tasks += [asyncio.create_task(c) for c in
-                      (self._broadcasts(), self._heartbeats(), self._watchdog(main))]
-            await self._train(welcome)
+            await self._sessions()
         except _Stopped:
             await self._leave("stopped", "")
         except asyncio.CancelledError:
-            if self._lost is None:
-                await self._leave("interrupted", "")
-                raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            raise self._lost from None
+            await self._leave("interrupted", "")
+            raise
         except Exception as e:
             await self._leave("error", str(e))
             raise
@@ -144,7 +143,57 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._client.close()
-        return WorkerReport(self.rank, self.clock, self._last_loss, self.version)
+        return WorkerReport(self.rank, self.clock, self._last_loss, self.version, self.rejoins)
+
+    async def _sessions(self) -> None:
+        """Join and train; when the coordinator is lost or has removed us, join again.
+
+        The first join may wait `join_timeout_s` (the coordinator may start later); a
+        rejoin waits `reconnect_timeout_s` from when the coordinator was last heard (it
+        may be restarting from a checkpoint), then gives up with what it waited for.
+        """
+        welcome = await self._join(self.config.join_timeout_s, "join")
+        while True:
+            try:
+                await self._session(welcome)
+                return
+            except PeerTimeoutError as e:
+                why = f"lost the coordinator ({e})"
+            except RejectedError as e:
+                if e.code != RejectCode.UNKNOWN_WORKER.value:
+                    raise
+                why = f"removed by the coordinator ({e.detail})"
+            log.warning("worker %d %s at version %d, %s; joining again", self.rank, why,
+                        self.version, self.phase.value)
+            self.rejoins += 1
+            waited = time.monotonic() - self._coordinator_seen
+            welcome = await self._join(max(self.config.reconnect_timeout_s - waited, 1.0),
+                                       f"rejoin after: {why}")
+
+    async def _session(self, welcome: Welcome) -> None:
+        """One membership: train until stopped, lost (PeerTimeoutError) or removed
+        (RejectedError unknown_worker), whichever the training loop or the watch sees first."""
+        assert self._client is not None
+        if welcome.pub_port != self._pub_port:  # connect once: SUB reconnects by itself
+            self._client.subscribe(welcome.pub_port)
+            self._pub_port = welcome.pub_port
+        self._ended = asyncio.get_running_loop().create_future()
+        train = asyncio.create_task(self._train(welcome))
+        helpers = [asyncio.create_task(c) for c in
+                   (self._broadcasts(), self._heartbeats(), self._watchdog())]
+        try:
+            await asyncio.wait({train, self._ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not train.done():
+                raise self._ended.result()
+            train.result()
+        finally:
+            for task in (train, *helpers):
+                task.cancel()
+            await asyncio.gather(train, *helpers, return_exceptions=True)
+
+    def _end_session(self, why: Exception) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(why)
 
     def _enter(self, phase: Phase) -> None:
         log.debug("worker %d: %s -> %s", self.rank, self.phase.value, phase.value)
@@ -152,26 +201,33 @@ class Worker:
 
     # Joining -------------------------------------------------------------------------------
 
-    async def _join(self) -> Welcome:
-        """Ask to join until admitted, refused, or out of time (the coordinator may start later)."""
-        deadline = time.monotonic() + self.config.join_timeout_s
+    async def _join(self, within_s: float, what: str) -> Welcome:
+        """Ask to join until admitted, refused, or `within_s` has passed, backing off."""
+        deadline = time.monotonic() + within_s
         wait = 1.0
+        rank = self.rank  # on a rejoin: our old rank, so that our data shard stays ours
         while True:
-            join = Join(sender=self.rank, rank=self.config.rank, layout=self.flat.layout.digest, build=BUILD)
+            join = Join(sender=self.rank, rank=rank, layout=self.flat.layout.digest, build=BUILD)
             try:
                 reply = await self._request(join, timeout=min(wait, max(deadline - time.monotonic(), 0.1)))
             except PeerTimeoutError:
                 if time.monotonic() >= deadline:
-                    raise PeerTimeoutError(
-                        f"coordinator at {self.config.connect}", "join", self.config.join_timeout_s
-                    ) from None
+                    raise PeerTimeoutError(f"coordinator at {self.config.connect}", what,
+                                           within_s) from None
                 wait = min(wait * 2, 10.0)
                 continue
+            except RejectedError as e:
+                if e.code == RejectCode.RANK_TAKEN.value and rank != self.config.rank:
+                    rank = -1  # our old rank went to another worker; any will do
+                    continue
+                raise
             if not isinstance(reply, Welcome):
                 raise RejectedError("unexpected", f"join answered by {reply.KIND.name}")
             self.rank = reply.rank
             self.version = reply.version
             self.flat.load(reply.tensors)
+            self._latest = None
+            self._coordinator_version = reply.version  # a restarted coordinator may be behind
             self._heartbeat_s, self._timeout_s = reply.heartbeat_s, reply.timeout_s
             # Past the coordinator's own liveness timeout, a missing answer means it is gone.
             self._request_timeout_s = min(self.config.request_timeout_s, reply.timeout_s)
@@ -183,16 +239,26 @@ class Worker:
 
     async def _train(self, welcome: Welcome) -> None:
         wait = Wait(welcome.wait)
-        self._enter(Phase.LOADING)
-        shards = await asyncio.to_thread(self._load, welcome)
-        batches = len(shards) if isinstance(shards, Sized) else -1
-        if PushKind(welcome.push) is PushKind.WEIGHTS:
+        shard = (self.rank, welcome.world_size, welcome.batch_size)
+        if (self._batches is None or self._shard != shard
+                or self._batches.position != welcome.position):
+            # Go on where the coordinator's records say this rank's data had got to: a
+            # fresh process, a rejoin on another shard, or a coordinator restarted from a
+            # checkpoint (whose records are behind us: the data rewinds with the weights).
+            self._enter(Phase.LOADING)
+            shards = await asyncio.to_thread(self._load, welcome)
+            self._batches = _Epochs(shards, self._describe_data(welcome))
+            await asyncio.to_thread(self._batches.skip, welcome.position)
+            self._shard = shard
+        if PushKind(welcome.push) is PushKind.WEIGHTS and self._optimizer is None:
             make = self._make_optimizer or (lambda ps: torch.optim.SGD(ps, lr=welcome.lr))
-            self._optimizer = make(self._model.parameters())
+            # In a thread: a first optimizer may import for seconds (torch._dynamo), and the
+            # loop must keep beating meanwhile.
+            self._optimizer = await asyncio.to_thread(make, self._model.parameters())
         # Answered when the coordinator's start gate opens: everyone starts together.
-        await self._request(Ready(sender=self.rank, version=self.version, batches=batches),
-                            patient=True)
-        batch_iter = _Epochs(shards, self._describe_data(welcome))
+        await self._request(Ready(sender=self.rank, version=self.version,
+                                  batches=self._batches.length), patient=True)
+        batch_iter = self._batches
         pushed = self.flat.weights if self._optimizer is not None else self.flat.grads
         sent: Tracker | None = None
         while True:
@@ -351,8 +417,14 @@ class Worker:
             if future is not None and not future.done():
                 future.set_result(message)
             elif isinstance(message, Reject):
-                log.warning("worker %d: the coordinator refused a message: %s: %s",
-                            self.rank, message.code, message.detail)
+                if message.code == RejectCode.UNKNOWN_WORKER.value:
+                    # It no longer counts us (removed while silent, or restarted): join
+                    # again. Answers to what was queued before a join (beats sent while
+                    # the coordinator was away) come before its Welcome: no session to end.
+                    self._end_session(RejectedError(message.code, message.detail))
+                else:
+                    log.warning("worker %d: the coordinator refused a message: %s: %s",
+                                self.rank, message.code, message.detail)
 
     async def _broadcasts(self) -> None:
         assert self._client is not None
@@ -381,8 +453,8 @@ class Worker:
             await self._client.send(encode(beat))
             await asyncio.sleep(self._heartbeat_s)
 
-    async def _watchdog(self, main: asyncio.Task[Any]) -> None:
-        """End the worker, whatever it awaits, once the coordinator is silent too long.
+    async def _watchdog(self) -> None:
+        """End the session, whatever it awaits, once the coordinator is silent too long.
 
         Every wait has its own deadline; this is the one that holds if some wait (a send
         into a socket whose peer is gone, say) has not.
@@ -391,12 +463,11 @@ class Worker:
             await asyncio.sleep(self._heartbeat_s)
             silent = time.monotonic() - self._coordinator_seen
             if silent > self._timeout_s + self._heartbeat_s:
-                self._lost = PeerTimeoutError(
+                self._end_session(PeerTimeoutError(
                     f"coordinator at {self.config.connect}",
                     f"anything (worker {self.rank} was {self.phase.value} at version {self.version})",
                     silent,
-                )
-                main.cancel()
+                ))
                 return
 
     async def _leave(self, reason: str, detail: str) -> None:
@@ -418,6 +489,19 @@ class _Epochs:
         self._shards = shards
         self._described = described
         self._it: Iterator[Any] = iter(shards)
+        self.length = len(shards) if isinstance(shards, Sized) else -1  # -1: unknown
+        self.position = 0  # batches taken since the first
+
+    def skip(self, batches: int) -> None:
+        """Move `batches` on from the start: where a restarted run left this shard. Whole
+        epochs of a sized shard are skipped by starting the next one (each iter() of a
+        SPEC's data may be a new epoch order) without reading their batches."""
+        if self.length > 0:
+            for _ in range(batches // self.length):
+                self._it = iter(self._shards)
+            self.position = batches - batches % self.length
+        while self.position < batches:
+            self.next()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -430,6 +514,7 @@ class _Epochs:
             raise DataError(f"{self._described} yielded no batches") from None
         except Exception as e:
             raise DataError(f"iterating {self._described} raised {type(e).__name__}: {e}") from e
+        self.position += 1
         if not (isinstance(batch, tuple | list) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
             raise DataError(f"{self._described} must yield (input, target) tensor pairs, "

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from bus.errors import PeerTimeoutError, RejectedError
+from bus.security import load_client_keys, make_keys
 from bus.transport import new_event_loop, split_endpoint
 from nodes.config import WorkerConfig
 from nodes.coordinator import TrainingError
@@ -27,6 +28,7 @@ from run.faults import parse_worker
 from run.local import LocalRunError, launch_local
 from run.options import RunOptions, make_coordinator
 from run.progress import ProgressLine
+from run.signals import stopping_on_signals
 from run.spec import SpecError, load_spec
 from strategies import STRATEGIES
 
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     error_prefix = "error: " if args.command == "worker" else "tensorbus: error: "
     try:
-        return {"local": _local, "coordinator": _coordinator, "worker": _worker}[args.command](args)
+        commands = {"local": _local, "coordinator": _coordinator, "worker": _worker, "keys": _keys}
+        return commands[args.command](args)
     except KeyboardInterrupt:
         print(f"{error_prefix}interrupted", file=sys.stderr)
         return 130
@@ -74,10 +77,11 @@ def _local(args: argparse.Namespace) -> int:
 
 def _coordinator(args: argparse.Namespace) -> int:
     host, _ = split_endpoint(args.bind)
-    if not args.insecure and not _is_loopback(host):
+    if args.keys is None and not args.insecure and not _is_loopback(host):
         raise ValueError(
-            f"--bind {args.bind} is not a loopback address and this release has no CURVE keys: "
-            "anyone who can reach it can join; pass --insecure to accept that"
+            f"--bind {args.bind} is not a loopback address and no --keys were given: anyone "
+            "who can reach it could join and read the weights; make keys with `tensorbus keys "
+            "DIR` and pass --keys DIR, or pass --insecure to accept that"
         )
     spec = load_spec(args.spec)
     progress = ProgressLine(sys.stderr) if not args.no_progress else None
@@ -85,7 +89,7 @@ def _coordinator(args: argparse.Namespace) -> int:
                                    pub_port=args.pub_port, on_step=progress)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            summary = runner.run(coordinator.run())
+            summary = runner.run(stopping_on_signals(coordinator, coordinator.run()))
     finally:
         if progress:
             progress.close()
@@ -97,7 +101,9 @@ def _worker(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     split_endpoint(args.connect)
     config = WorkerConfig(connect=args.connect, rank=args.rank, device=_device(args.device),
-                          join_timeout_s=args.join_timeout, faults=parse_worker(args.fault))
+                          join_timeout_s=args.join_timeout, faults=parse_worker(args.fault),
+                          reconnect_timeout_s=args.reconnect_timeout,
+                          keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
     worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config,
                     optimizer=spec.optimizer)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
@@ -105,6 +111,14 @@ def _worker(args: argparse.Namespace) -> int:
     logging.getLogger("tensorbus.worker").info(
         "worker %d done: %d pushes, last loss %s", report.rank, report.pushes, report.last_loss
     )
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    make_keys(args.directory, args.worker or ["worker"])
+    print(f"keys in {args.directory}: keep coordinator.key_secret on the coordinator; give each "
+          "worker coordinator.key and its NAME.key_secret (--keys DIR --key-name NAME); "
+          "authorized/ lists the workers let in", file=sys.stderr)
     return 0
 
 
@@ -119,6 +133,8 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         heartbeat_s=args.heartbeat, timeout_s=args.timeout, join_timeout_s=args.join_timeout,
         strategy_options={k: getattr(args, k) for k in STRATEGY_FLAGS if getattr(args, k) is not None},
         faults=tuple(getattr(args, "fault", None) or ()), eval_every_s=args.eval_every,
+        min_workers=args.min_workers or 1, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
     )
 
 
@@ -166,6 +182,18 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
         p.add_argument("--join-timeout", type=float, default=300.0, help="wait this long for workers")
         p.add_argument("--no-progress", action="store_true", help="no progress line")
+        p.add_argument("--min-workers", type=int, metavar="M",
+                       help="stop with an error when fewer than M workers are left (default 1)")
+        p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                       help="write checkpoints here (atomically; the 3 newest are kept), "
+                            "at the end and on SIGTERM or Ctrl-C")
+        p.add_argument("--checkpoint-every", type=int, metavar="K",
+                       help="also write a checkpoint every K versions")
+        p.add_argument("--keys", type=Path, metavar="DIR",
+                       help="CURVE: encrypt every socket and admit only the workers whose "
+                            "public keys are in DIR/authorized (see `tensorbus keys`)")
+        p.add_argument("--resume", action="store_true",
+                       help="go on from the newest checkpoint in --checkpoint-dir (if any)")
         p.add_argument("--eval-every", type=float, metavar="SECONDS",
                        help="copy the weights every SECONDS of training and evaluate the copies "
                             "after training (accuracy against time, in --metrics)")
@@ -206,6 +234,19 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--device", default="auto", help="auto or cpu")
     worker.add_argument("--join-timeout", type=float, default=300.0,
                         help="keep trying to join this long")
+    worker.add_argument("--keys", type=Path, metavar="DIR",
+                        help="CURVE: DIR holds coordinator.key and this worker's NAME.key_secret")
+    worker.add_argument("--key-name", default="worker", metavar="NAME",
+                        help="which key pair of DIR is this worker's (default: worker)")
+    worker.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="after losing the coordinator, keep trying to join again this "
+                             "long (default 60)")
     worker.add_argument("--fault", action="append", default=[], metavar="KIND:N",
                         help="inject a fault (repeatable): slow:MS or crash:STEP")
+    keys = commands.add_parser("keys", help="make CURVE key pairs for --keys")
+    keys.add_argument("directory", type=Path, metavar="DIR")
+    keys.add_argument("--worker", action="append", metavar="NAME",
+                      help="a worker key pair to make and authorize (repeatable; default: worker)")
+    keys.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    keys.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     return parser

@@ -24,6 +24,7 @@ from bus.transport import new_event_loop
 from nodes.coordinator import Coordinator, Progress
 from run.faults import parse_local
 from run.options import RunOptions, make_coordinator
+from run.signals import stopping_on_signals
 from run.spec import load_spec
 
 log = logging.getLogger("tensorbus.local")
@@ -67,6 +68,8 @@ async def _launch(
     try:
         for rank in range(options.workers):
             fault_flags = [f"--fault={f}" for f in faults.get(rank, [])]
+            if options.keys is not None:
+                fault_flags += ["--keys", str(options.keys)]
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "run", "worker", spec_source, "--connect", endpoint,
                 "--rank", str(rank), "--threads", str(per_worker), "--log-level", log_level,
@@ -75,10 +78,13 @@ async def _launch(
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
                 preexec_fn=_die_with_parent,
+                # Its own session: Ctrl-C in the terminal reaches the launcher alone, which
+                # stops the workers gracefully through the coordinator.
+                start_new_session=True,
             )
             workers.append(process)
             relays.append(asyncio.create_task(_relay(rank, process, failure, coordinator)))
-        training = asyncio.create_task(coordinator.run())
+        training = asyncio.create_task(stopping_on_signals(coordinator, coordinator.run()))
         await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
             training.cancel()

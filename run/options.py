@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from bus.security import load_server_keys
 from nodes.config import CoordinatorConfig
 from nodes.coordinator import Coordinator, Progress
 from run.faults import parse_local
@@ -37,6 +38,11 @@ class RunOptions:
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
     faults: tuple[str, ...] = ()  # `local` only: slow:RANK:MS, crash:RANK:STEP
     eval_every_s: float | None = None
+    min_workers: int = 1
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False
+    keys: Path | None = None  # a key directory (see `tensorbus keys`): CURVE on every socket
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -48,6 +54,13 @@ class RunOptions:
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         parse_local(self.faults, self.workers)
+        if not 1 <= self.min_workers <= self.workers:
+            raise ValueError(f"--min-workers must be in 1..--workers ({self.workers}), "
+                             f"got {self.min_workers}")
+        if (self.resume or self.checkpoint_every is not None) and self.checkpoint_dir is None:
+            raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
         make_strategy(self)  # one-line errors for strategy options now, not at start-up
 
 
@@ -84,6 +97,11 @@ def make_coordinator(
         join_timeout_s=options.join_timeout_s,
         metrics=options.metrics,
         eval_every_s=options.eval_every_s,
+        min_workers=options.min_workers,
+        checkpoint_dir=options.checkpoint_dir,
+        checkpoint_every=options.checkpoint_every,
+        resume=options.resume,
+        keys=load_server_keys(options.keys) if options.keys is not None else None,
     )
     strategy = make_strategy(options)
     return Coordinator(

@@ -193,6 +193,17 @@ class Strategy(ABC):
     def handle(self, event: Event) -> list[Decision]:
         """Take one event, return what the coordinator must do, in order."""
 
+    def state(self) -> dict[str, int]:
+        """What a checkpoint keeps of this strategy: its version. Members, clocks and held
+        updates are not kept: after a restart, workers join again (level with each other)
+        and compute anew on the restored version."""
+        return {"version": self.version}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Go on from a checkpoint's `state()`; the start gate closes again, so that the
+        restarted run waits for `workers` to be ready as a fresh one does."""
+        self.version = state["version"]
+
     def clock_gap(self) -> int:
         """The largest difference between two live members' clocks."""
         live = [self.clocks[m] for m in self.members]

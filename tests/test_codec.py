@@ -107,18 +107,18 @@ def random_tensor(dtype, shape, seed=0):
 
 def two_tensor_push(**changes):
     """A valid Push with a float32 [2, 3] and an int64 [4] bucket."""
-    values = dict(
-        sender=1,
-        request=9,
-        version=3,
-        clock=4,
-        loss=0.5,
-        samples=32,
-        tensors=(
+    values = {
+        "sender": 1,
+        "request": 9,
+        "version": 3,
+        "clock": 4,
+        "loss": 0.5,
+        "samples": 32,
+        "tensors": (
             torch.arange(6, dtype=torch.float32).reshape(2, 3),
             torch.arange(4, dtype=torch.int64),
         ),
-    )
+    }
     values.update(changes)
     return Push(**values)
 
@@ -140,7 +140,7 @@ SAMPLES = {
                     build="0.1.0"),
     Kind.WELCOME: Welcome(sender=COORDINATOR, request=11, version=7, rank=2, world_size=4,
                           strategy="ssp", push="weights", local_steps=3, wait="answered",
-                          batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05,
+                          batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9,
                           tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,

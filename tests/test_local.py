@@ -26,7 +26,7 @@ FAST = ["--threads", "1", "--no-progress", "--heartbeat", "0.2", "--timeout", "5
 
 
 def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*TENSORBUS, *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*TENSORBUS, *args], cwd=ROOT, check=False, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 

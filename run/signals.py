@@ -1,0 +1,44 @@
+"""SIGTERM and Ctrl-C on a coordinator: a graceful stop first, an interrupt the second time.
+
+The first signal asks the coordinator to finish the update in flight, checkpoint, stop the
+workers and return its summary (the process then exits 0). A second signal is not caught:
+it interrupts at once, for a user who will not wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from nodes.coordinator import Coordinator
+
+T = TypeVar("T")
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def stopping_on_signals(coordinator: Coordinator, work: Awaitable[T]) -> T:
+    """Await `work` (the coordinator's run, or a launch around it) with the signals routed
+    to `coordinator.request_stop`. Outside the main thread signals cannot be caught, and
+    the work runs as it is."""
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        for s in installed:  # the next one interrupts
+            loop.remove_signal_handler(s)
+        installed.clear()
+        coordinator.request_stop(sig.name)
+
+    try:
+        for sig in SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+            installed.append(sig)
+    except (RuntimeError, ValueError):  # not the main thread: leave signals alone
+        pass
+    try:
+        return await work
+    finally:
+        for s in installed:
+            loop.remove_signal_handler(s)

@@ -1,0 +1,126 @@
+"""Test helper: a coordinator and workers started by hand as separate processes on loopback
+(`tensorbus coordinator` and `tensorbus worker`), their logs and metrics, always reaped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = ROOT / "examples" / "digits.py"
+HEARTBEAT_S, TIMEOUT_S = 0.2, 2.0
+LIVENESS = ["--heartbeat", str(HEARTBEAT_S), "--timeout", str(TIMEOUT_S)]
+QUIET = ["--threads", "1", "--log-level", "warning"]
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Cluster:
+    """A coordinator and workers started by hand on loopback; every process is reaped."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.spec = tmp_path / "digits.py"
+        shutil.copy(DIGITS, self.spec)
+        self.port, self.pub_port = _free_ports(2)
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.metrics = tmp_path / "metrics.jsonl"
+        self.coordinator: subprocess.Popen[str] | None = None
+        self.workers: dict[int, subprocess.Popen[str]] = {}
+        self._all: list[subprocess.Popen[str]] = []
+
+    def _start(self, *args: str, log: str) -> subprocess.Popen[str]:
+        with (self.tmp / log).open("a") as stderr:  # the child keeps its own descriptor
+            process = subprocess.Popen(
+                [sys.executable, "-m", "run", *args], cwd=ROOT, text=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
+            )
+        self._all.append(process)
+        return process
+
+    def start_coordinator(self, *args: str) -> None:
+        self.coordinator = self._start(
+            "coordinator", str(self.spec), "--bind", self.endpoint, "--pub-port",
+            str(self.pub_port), "--no-progress", "--metrics", str(self.metrics),
+            *LIVENESS, *QUIET, *args, log="coordinator.log",
+        )
+
+    def start_worker(self, rank: int, *args: str) -> None:
+        self.workers[rank] = self._start(
+            "worker", str(self.spec), "--connect", self.endpoint, "--rank", str(rank),
+            *QUIET, *args, log=f"worker-{rank}.log",
+        )
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.metrics.exists():
+            return []
+        lines = self.metrics.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def wait_for(self, what: str, test: Callable[[list[dict[str, Any]]], bool],
+                 timeout: float = 60.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            records = self.records()
+            if test(records):
+                return records
+            assert self.coordinator is not None
+            if self.coordinator.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {what} within {timeout} s; logs:\n{self.logs()}")
+
+    def finish(self, timeout: float = 60.0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Wait for the coordinator to end well; return its summary and all records."""
+        assert self.coordinator is not None
+        out, _ = self.coordinator.communicate(timeout=timeout)
+        assert self.coordinator.returncode == 0, self.logs()
+        summary = json.loads(out)
+        assert summary["event"] == "summary"
+        return summary, self.records()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def reap(self) -> None:
+        for process in self._all:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+@contextmanager
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.reap()
+
+
+def steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r["event"] == "step"]
+
+
+def version(records: list[dict[str, Any]]) -> int:
+    done = steps(records)
+    return done[-1]["version"] if done else 0
