@@ -34,6 +34,7 @@ from bus.errors import (
     ProtocolVersionError,
     UnknownKindError,
     WireError,
+    quote,
 )
 from bus.layout import Layout
 from bus.messages import PROTOCOL_VERSION, SCHEMA, Kind, Message
@@ -101,8 +102,12 @@ def decode(
     if not frames:
         raise MalformedHeaderError("no frames")
     header = _unpack_header(frames[0])
-    request = header["r"] if type(header["r"]) is int and 0 <= header["r"] <= _INT64_MAX else 0
+    # Read first, so that every later refusal (another protocol version included) names
+    # the request it refuses, and the sender's wait for it ends.
+    request = header.get("r")
+    request = request if type(request) is int and 0 <= request <= _INT64_MAX else 0
     try:
+        _check_header(header)
         return _decode(header, frames, max_bytes, layout)
     except WireError as e:
         e.request = request  # so that the Reject reaches the request that waits for it
@@ -157,13 +162,16 @@ def _unpack_header(frame: Buffer) -> dict[str, Any]:
         raise MalformedHeaderError(f"not a msgpack header ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise MalformedHeaderError(f"header is a {type(header).__name__}, not a map")
+    return header
+
+
+def _check_header(header: dict[str, Any]) -> None:
     # The protocol version is read first: a peer of another version may lay out the rest
     # differently, and it should be told the version is wrong, not that its header is.
     if type(header.get("p")) is not int or header["p"] != PROTOCOL_VERSION:
         raise ProtocolVersionError(header.get("p"), PROTOCOL_VERSION)
     if set(header) != _HEADER_KEYS:
-        raise MalformedHeaderError(f"header keys {sorted(header)}, expected {sorted(_HEADER_KEYS)}")
-    return header
+        raise MalformedHeaderError(f"header keys {quote(sorted(header))}, expected {sorted(_HEADER_KEYS)}")
 
 
 def _kind(header: dict[str, Any]) -> Kind:
@@ -176,7 +184,7 @@ def _kind(header: dict[str, Any]) -> Kind:
 def _int(header: dict[str, Any], key: str, *, minimum: int) -> int:
     value = header[key]
     if type(value) is not int or not minimum <= value <= _INT64_MAX:
-        raise MalformedHeaderError(f"field {key!r} must be an integer >= {minimum}, got {value!r}")
+        raise MalformedHeaderError(f"field {key!r} must be an integer >= {minimum}, got {quote(value)}")
     return value
 
 
@@ -186,7 +194,7 @@ def _fields(raw: object, expected: dict[str, type]) -> dict[str, Any]:
     if set(raw) != set(expected):
         missing = sorted(set(expected) - set(raw))
         extra = sorted(set(raw) - set(expected))
-        raise MalformedHeaderError(f"fields missing {missing}, unexpected {extra}")
+        raise MalformedHeaderError(f"fields missing {missing}, unexpected {quote(extra)}")
     values = {}
     for name, typ in expected.items():
         value = raw[name]
@@ -222,9 +230,9 @@ def _tensor_specs(
             or len(shape) > MAX_DIMS
             or any(type(d) is not int or not 0 <= d <= _INT64_MAX for d in shape)
         ):
-            raise MalformedHeaderError(f"tensor {i}: bad shape {shape!r}")
+            raise MalformedHeaderError(f"tensor {i}: bad shape {quote(shape)}")
         if type(nbytes) is not int or nbytes < 0:
-            raise MalformedHeaderError(f"tensor {i}: bad byte count {nbytes!r}")
+            raise MalformedHeaderError(f"tensor {i}: bad byte count {quote(nbytes)}")
         expected = math.prod(shape) * dtype.itemsize
         if nbytes != expected:
             raise ByteLengthError(i, nbytes, expected, -1)

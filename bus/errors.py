@@ -7,7 +7,20 @@ with a coded Reject instead of a traceback.
 
 from __future__ import annotations
 
+import reprlib
+
 from bus.messages import RejectCode
+
+_QUOTE = reprlib.Repr()  # keyword arguments only from Python 3.12
+_QUOTE.maxstring = _QUOTE.maxother = 80
+_QUOTE.maxlist = _QUOTE.maxdict = _QUOTE.maxtuple = 16
+_QUOTE.maxlevel = 3
+
+
+def quote(value: object) -> str:
+    """A peer's value, quoted for an error message: bounded, so that a hostile value cannot
+    make a Reject too long for its sender to read (or a log line too long to read)."""
+    return _QUOTE.repr(value)
 
 
 class WireError(Exception):
@@ -27,7 +40,7 @@ class ProtocolVersionError(WireError):
     code = RejectCode.PROTOCOL
 
     def __init__(self, got: object, expected: int) -> None:
-        super().__init__(f"protocol version {got!r}, this build speaks {expected}")
+        super().__init__(f"protocol version {quote(got)}, this build speaks {expected}")
         self.got = got
         self.expected = expected
 
@@ -36,7 +49,7 @@ class UnknownKindError(WireError):
     code = RejectCode.UNKNOWN_KIND
 
     def __init__(self, kind: object) -> None:
-        super().__init__(f"unknown message kind {kind!r}")
+        super().__init__(f"unknown message kind {quote(kind)}")
         self.kind = kind
 
 
@@ -51,7 +64,7 @@ class DtypeError(WireError):
     code = RejectCode.DTYPE
 
     def __init__(self, dtype: object) -> None:
-        super().__init__(f"dtype {dtype!r} is not on the allow-list")
+        super().__init__(f"dtype {quote(dtype)} is not on the allow-list")
         self.dtype = dtype
 
 

@@ -163,7 +163,8 @@ class Coordinator:
         self._started_at = 0.0
         self._stop_deadline = 0.0
         self._errors: list[str] = []  # why workers left with an error, for the final message
-        self._departed: set[bytes] = set()  # connections that left cleanly: their last beats
+        # Connections that left cleanly (their last beats are not refused), oldest first.
+        self._departed: dict[bytes, None] = {}
         self._positions: dict[int, int] = {}  # rank -> batches of its shard used so far
         self._step_lock = asyncio.Lock()  # one update (or checkpoint) at a time
         self._stop_requested: str | None = None
@@ -295,7 +296,8 @@ class Coordinator:
             except WireError as e:
                 self.metrics.rejected[e.code.value] += 1
                 self._warn(peer, e.code.value, f"rejected a message from {self._name(peer)}: {e}")
-                await self._reply(peer, Reject(request=e.request, code=e.code.value, detail=str(e)))
+                await self._reply(peer, Reject(request=e.request, code=e.code.value,
+                                               detail=str(e)[:1000]))
                 continue
             await self._dispatch(peer, message)
 
@@ -340,7 +342,7 @@ class Coordinator:
                     await self._send_weights(peer, Weights(request=message.request))
             case Leave(reason=reason, detail=detail):
                 await self._reply(peer, Ack(request=message.request, version=self.version))
-                self._departed.add(peer)
+                self._departed[peer] = None
                 await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})")
                 if reason == "error":
                     self._errors.append(f"worker {member.rank}: {detail}")
@@ -378,7 +380,6 @@ class Coordinator:
         await self._send_weights(peer, welcome)
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
-        member.clock = message.clock + 1
         if not math.isfinite(message.loss) or not all(
             t.isfinite().all() for t in message.tensors if t.is_floating_point()
         ):
@@ -400,6 +401,7 @@ class Coordinator:
         if dropped:
             await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
         else:
+            member.clock = max(member.clock, message.clock + 1)  # what it says, once taken
             # Answered before the step is taken, so that a worker that need not wait goes on.
             await self._answer(peer, member, message.request, decisions, now, push=True)
         await self._carry_out(decisions)
@@ -659,6 +661,14 @@ class Coordinator:
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))
             await self._check_phase(now)
+            self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Bound what strangers can make us remember: connections come and go (each
+        reconnection is a new identity), and these maps must not grow with them."""
+        self._warned = {k: t for k, t in self._warned.items() if now - t < 10.0}
+        while len(self._departed) > 4 * self.strategy.workers + 64:
+            self._departed.pop(next(iter(self._departed)))
 
     async def _check_phase(self, now: float) -> None:
         if self.state is State.STARTING and now - self._started_at > self.config.join_timeout_s:
