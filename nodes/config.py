@@ -26,12 +26,17 @@ class CoordinatorConfig:
     eval_every_s: float | None = None
     # Below this many live workers the run stops with an error instead of training on.
     min_workers: int = 1
+    # Ranks 0..max_workers-1 exist (and data is sharded max_workers ways): workers beyond
+    # the strategy's starting count may join during training. None: the starting count.
+    max_workers: int | None = None
     checkpoint_dir: Path | None = None  # where to write checkpoints (None: never)
     checkpoint_every: int | None = None  # versions between checkpoints (None: only at the end)
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir, if any
     keys: ServerKeys | None = None  # CURVE: encrypt, and admit only the authorized workers
 
     def __post_init__(self) -> None:
+        if self.max_workers is not None and self.max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, got {self.max_workers}")
         if self.min_workers < 1:
             raise ValueError(f"min_workers must be at least 1, got {self.min_workers}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:

@@ -148,7 +148,10 @@ class Coordinator:
         self.state = State.STARTING
         self._evaluate = evaluate
         self._on_step = on_step
-        self._members = Membership(strategy.workers)
+        if config.max_workers is not None and config.max_workers < strategy.workers:
+            raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
+                             "workers the run starts with")
+        self._members = Membership(config.max_workers or strategy.workers)
         self._held: dict[int, _Held] = {}
         self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
         self._target = config.steps  # in versions; or
@@ -371,7 +374,7 @@ class Coordinator:
             self.metrics.worker(admitted.rank)["joins"] += 1
         rhythm = self.strategy.rhythm
         welcome = Welcome(
-            request=message.request, rank=admitted.rank, world_size=self.strategy.workers,
+            request=message.request, rank=admitted.rank, world_size=self._members.world_size,
             strategy=self.strategy.name, push=rhythm.push.value, local_steps=rhythm.local_steps,
             wait=rhythm.wait.value, batch_size=self.config.batch_size, pub_port=self._pub_port(),
             heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,

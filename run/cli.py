@@ -133,7 +133,7 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         heartbeat_s=args.heartbeat, timeout_s=args.timeout, join_timeout_s=args.join_timeout,
         strategy_options={k: getattr(args, k) for k in STRATEGY_FLAGS if getattr(args, k) is not None},
         faults=tuple(getattr(args, "fault", None) or ()), eval_every_s=args.eval_every,
-        min_workers=args.min_workers or 1, checkpoint_dir=args.checkpoint_dir,
+        min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
     )
 
@@ -184,6 +184,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--no-progress", action="store_true", help="no progress line")
         p.add_argument("--min-workers", type=int, metavar="M",
                        help="stop with an error when fewer than M workers are left (default 1)")
+        p.add_argument("--max-workers", type=int, metavar="W",
+                       help="ranks 0..W-1 exist and data is sharded W ways, so that workers "
+                            "beyond --workers may join during training (default: --workers)")
         p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                        help="write checkpoints here (atomically; the 3 newest are kept), "
                             "at the end and on SIGTERM or Ctrl-C")

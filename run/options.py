@@ -39,6 +39,7 @@ class RunOptions:
     faults: tuple[str, ...] = ()  # `local` only: slow:RANK:MS, crash:RANK:STEP
     eval_every_s: float | None = None
     min_workers: int = 1
+    max_workers: int | None = None
     checkpoint_dir: Path | None = None
     checkpoint_every: int | None = None
     resume: bool = False
@@ -54,6 +55,9 @@ class RunOptions:
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         parse_local(self.faults, self.workers)
+        if self.max_workers is not None and self.max_workers < self.workers:
+            raise ValueError(f"--max-workers ({self.max_workers}) must be at least --workers "
+                             f"({self.workers})")
         if not 1 <= self.min_workers <= self.workers:
             raise ValueError(f"--min-workers must be in 1..--workers ({self.workers}), "
                              f"got {self.min_workers}")
@@ -98,6 +102,7 @@ def make_coordinator(
         metrics=options.metrics,
         eval_every_s=options.eval_every_s,
         min_workers=options.min_workers,
+        max_workers=options.max_workers,
         checkpoint_dir=options.checkpoint_dir,
         checkpoint_every=options.checkpoint_every,
         resume=options.resume,

@@ -164,3 +164,42 @@ def test_min_workers_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
         # Told to stop, the others do not wait to reconnect: they end at once.
         for rank in (0, 1):
             assert c.workers[rank].wait(timeout=15) == 0, c.logs()
+
+
+@pytest.mark.parametrize("strategy", ["sync", "average"])
+def test_a_worker_may_join_during_training(tmp_path: Path, strategy: str) -> None:
+    """--workers 2 --max-workers 3: two start; a third started later, with no rank asked,
+    gets rank 2 and the current weights, and counts in the updates from then on."""
+    with cluster(tmp_path) as c:
+        c.start_coordinator("--workers", "2", "--max-workers", "3", "--steps", "120",
+                            "--batch-size", "16", "--strategy", strategy)
+        for rank in range(2):
+            c.start_worker(rank, "--fault", "slow:20")
+        c.wait_for("version 10", lambda rs: _version(rs) >= 10)
+        c.start_worker(-1, "--fault", "slow:20")
+        records = c.wait_for("a step with three workers", lambda rs: any(
+            r["event"] == "step" and r["workers"] == [0, 1, 2] for r in rs))
+        joined_at = next(r["version"] for r in _steps(records) if r["workers"] == [0, 1, 2])
+        assert joined_at > 10
+        summary, _ = c.finish()
+        assert summary["steps"] == 120 and summary["lost"] == []
+        assert summary["per_worker"]["2"]["joins"] == 1
+        assert summary["per_worker"]["2"]["applied"] >= 1
+        for rank in (0, 1, -1):
+            assert c.workers[rank].wait(timeout=15) == 0, c.logs()
+
+
+def test_a_worker_whose_coordinator_is_gone_for_good_gives_up_and_says_why(tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        c.start_coordinator("--workers", "1", "--steps", "100000", "--batch-size", "16")
+        c.start_worker(0, "--reconnect-timeout", "3")
+        c.wait_for("version 5", lambda rs: _version(rs) >= 5)
+        assert c.coordinator is not None
+        c.coordinator.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert c.workers[0].wait(timeout=30) == 1
+        # Noticed after the coordinator's timeout; then 3 s of trying to join again.
+        assert time.monotonic() - killed_at < TIMEOUT_S + 3 + 6
+        log = (tmp_path / "worker-0.log").read_text()
+        assert "lost the coordinator" in log
+        assert "did not answer rejoin after: lost the coordinator" in log, log
