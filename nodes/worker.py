@@ -278,7 +278,12 @@ class Worker:
             ack, sent = await self._request_tracked(push, patient=True)
             if isinstance(ack, Ack) and ack.dropped:
                 log.info("worker %d: update on version %d dropped (%s)", self.rank, computed_on, ack.dropped)
-                continue  # it does not count for its version: compute again, don't wait
+                if ack.version > computed_on:
+                    # Late: catch up first (pulling, if the broadcast was missed), or this
+                    # worker would compute on the old version again, and again.
+                    self._enter(Phase.WAITING)
+                    await self._await_version(newer_than=ack.version - 1)
+                continue  # it does not count for its version: compute again
             # What to wait for is the strategy's (see strategies.base.Wait).
             if wait is Wait.NEWER:
                 self._enter(Phase.WAITING)
