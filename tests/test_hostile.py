@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib.util
 import logging
 import math
 import random
@@ -50,8 +49,6 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Final
 
 import msgpack
@@ -59,6 +56,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from specs import load_example
 from zmq.utils.monitor import parse_monitor_message
 
 from bus.codec import MAX_HEADER_BYTES, MAX_TENSORS, decode, encode
@@ -83,7 +81,6 @@ from bus.transport import ZmqClient
 from nodes import Coordinator, CoordinatorConfig, State, Worker, WorkerConfig
 from strategies import Sync
 
-ROOT: Final = Path(__file__).resolve().parent.parent
 SEED: Final = 20_240_611
 WORKERS: Final = 2
 STEPS: Final = 40
@@ -101,15 +98,7 @@ LIE_AT: Final = 3  # ... before its push on this version
 LIE_BASE: Final = 2_000_000_000  # ... with request ids from here
 
 
-def _load_digits() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("digits_spec", ROOT / "examples" / "digits.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-digits = _load_digits()
+digits = load_example("digits")
 
 
 # Runs ------------------------------------------------------------------------------------

@@ -9,15 +9,13 @@ and check that it answers with a coded Reject and trains on unharmed.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 
 import msgpack
 import pytest
 import torch
 import zmq
 import zmq.asyncio
+from specs import load_example
 
 from bus.codec import decode, encode
 from bus.errors import RejectedError
@@ -27,18 +25,9 @@ from strategies import Sync
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_digits() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("digits_spec", ROOT / "examples" / "digits.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-digits = _load_digits()
+digits = load_example("digits")
 LR, MOMENTUM = 0.05, 0.9
 
 

@@ -10,14 +10,12 @@ gaps and staleness; async applies every gradient as it comes.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 import zmq
 import zmq.asyncio
+from specs import load_example
 
 from bus.codec import decode, encode
 from bus.messages import BUILD, Join, Message, Ready, Reject, Welcome
@@ -26,19 +24,10 @@ from strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
 LR = 0.05
 
 
-def _load_digits() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("digits_spec_models", ROOT / "examples" / "digits.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-digits = _load_digits()
+digits = load_example("digits")
 
 
 def _sgd(params):  # type: ignore[no-untyped-def]
