@@ -251,5 +251,5 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("--worker", action="append", metavar="NAME",
                       help="a worker key pair to make and authorize (repeatable; default: worker)")
     keys.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
-    keys.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
+    keys.set_defaults(threads=None)  # no torch work: main() finds the setting unset
     return parser

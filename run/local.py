@@ -67,13 +67,13 @@ async def _launch(
     faults = parse_local(options.faults, options.workers)
     try:
         for rank in range(options.workers):
-            fault_flags = [f"--fault={f}" for f in faults.get(rank, [])]
+            extra = [f"--fault={f}" for f in faults.get(rank, [])]
             if options.keys is not None:
-                fault_flags += ["--keys", str(options.keys)]
+                extra += ["--keys", str(options.keys)]
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "run", "worker", spec_source, "--connect", endpoint,
                 "--rank", str(rank), "--threads", str(per_worker), "--log-level", log_level,
-                *fault_flags,
+                *extra,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,

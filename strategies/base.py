@@ -200,8 +200,8 @@ class Strategy(ABC):
         return {"version": self.version}
 
     def restore(self, state: dict[str, int]) -> None:
-        """Go on from a checkpoint's `state()`; the start gate closes again, so that the
-        restarted run waits for `workers` to be ready as a fresh one does."""
+        """Go on from a checkpoint's `state()`. Called on a fresh strategy, whose start gate
+        is closed: the restarted run waits for `workers` to be ready as a new one does."""
         self.version = state["version"]
 
     def clock_gap(self) -> int:
