@@ -40,7 +40,8 @@ class ProtocolVersionError(WireError):
     code = RejectCode.PROTOCOL
 
     def __init__(self, got: object, expected: int) -> None:
-        super().__init__(f"protocol version {quote(got)}, this build speaks {expected}")
+        super().__init__(f"protocol version {quote(got)}, this build speaks {expected}: run "
+                         "the same tensorbus release on the coordinator and every worker")
         self.got = got
         self.expected = expected
 
@@ -101,11 +102,22 @@ class MessageTooLargeError(WireError):
 class PeerTimeoutError(Exception):
     """A peer did not answer before a deadline: who, for what, and how long we waited."""
 
-    def __init__(self, peer: str, waiting_for: str, seconds: float) -> None:
-        super().__init__(f"{peer} did not answer {waiting_for} within {seconds:.1f} s")
+    def __init__(self, peer: str, waiting_for: str, seconds: float, hint: str = "") -> None:
+        super().__init__(f"{peer} did not answer {waiting_for} within {seconds:.1f} s"
+                         + (f": {hint}" if hint else ""))
         self.peer = peer
         self.waiting_for = waiting_for
         self.seconds = seconds
+
+
+class HandshakeError(Exception):
+    """ZeroMQ could not set up a connection with the peer (CURVE refused, say); no retry
+    will help, so this ends the wait at once. The message says what to check."""
+
+    def __init__(self, peer: str, problem: str) -> None:
+        super().__init__(f"cannot talk to {peer}: {problem}")
+        self.peer = peer
+        self.problem = problem
 
 
 class RejectedError(Exception):

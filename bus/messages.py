@@ -16,7 +16,7 @@ from typing import ClassVar, Final
 
 import torch
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: pushes carry telemetry, acks the time held
 
 
 def _build() -> str:
@@ -60,6 +60,7 @@ class RejectCode(str, enum.Enum):
     FULL = "full"  # no rank is free
     UNEXPECTED = "unexpected"  # a valid message that this node does not take now
     NOT_FINITE = "not_finite"  # the update holds NaN or infinity
+    BUILD = "build"  # the worker runs another tensorbus release than the coordinator
 
 
 class Phase(str, enum.Enum):
@@ -126,12 +127,18 @@ class Push(Message):
     clock: int  # updates this worker has pushed before this one
     loss: float  # mean training loss of the batches behind this update
     samples: int  # samples behind this update
+    # Telemetry, for status, straggler detection and traces (seconds, the worker's clocks):
+    began: float = 0.0  # wall-clock time (time.time()) the compute behind this update began
+    compute_s: float = 0.0  # time computing this update (data, forward, backward, steps)
+    comm_s: float = 0.0  # since the previous compute ended: sending, receiving, loading weights
+    wait_s: float = 0.0  # since the previous compute ended: held back, waiting for a version
 
 
 @dataclass(frozen=True, kw_only=True)
 class Ack(Message):
     KIND = Kind.ACK
     dropped: str = ""  # empty: taken; otherwise why the update was dropped
+    held_s: float = 0.0  # how long the strategy held this answer back (ssp's bound, the gate)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from bus.buffers import Tracker
 from bus.security import ClientKeys, KeyGate, ServerKeys, curve_client, curve_server
@@ -27,6 +28,20 @@ from bus.security import ClientKeys, KeyGate, ServerKeys, curve_client, curve_se
 Frames = Sequence[Any]  # anything with the buffer protocol
 TRACK_ABOVE: Final = zmq.COPY_THRESHOLD  # smaller frames are copied by pyzmq: nothing to track
 PUB_QUEUE: Final = 8  # broadcasts queued per subscriber before PUB drops
+_WATCHED: Final = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# What `ZmqClient.connection_problem` reports; each says what to check.
+HANDSHAKE_REFUSED: Final = (
+    "the coordinator refused the CURVE handshake: its authorized/ directory lacks this "
+    "worker's public key (--key-name picks which), or the coordinator.key given is not "
+    "the coordinator's")
+HANDSHAKE_MECHANISM: Final = (
+    "one side uses CURVE keys and the other does not: give --keys to both the coordinator "
+    "and the worker, or to neither")
+NOT_CONNECTED: Final = (
+    "no connection was made: is the coordinator running and reachable at that address "
+    "(check --connect, and the host's firewall)?")
 
 
 class ServerTransport(Protocol):
@@ -101,8 +116,9 @@ class ZmqServer:
         except zmq.ZMQError as e:
             self.close()
             raise OSError(
-                f"cannot bind {bind} or its broadcast port ({e.strerror}); the broadcast port is "
-                "PORT+1 unless --pub-port says otherwise"
+                f"cannot bind {bind} or its broadcast port ({zmq.strerror(e.errno)}); the broadcast port is "
+                "PORT+1 unless --pub-port says otherwise: stop what holds them, or choose "
+                "other ports"
             ) from None
         except BaseException:
             self.close()
@@ -151,16 +167,49 @@ class ZmqClient:
         self._context = zmq.asyncio.Context()
         self._dealer = self._context.socket(zmq.DEALER)
         self._sub = self._context.socket(zmq.SUB)
+        # The DEALER's connection events, read without the loop (see `connection_problem`).
+        self._monitor: zmq.Socket[Any] | None = None
+        self._connected = False
+        self._handshake_failure: str | None = None
         try:
             for socket in (self._dealer, self._sub):
                 socket.setsockopt(zmq.LINGER, 0)
                 socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
                 if keys is not None:
                     curve_client(socket, keys)  # a malformed key fails here, before connect
+            address = f"inproc://tensorbus-monitor-{id(self)}"
+            self._dealer.monitor(address, _WATCHED)
+            self._monitor = zmq.Context.shadow(self._context.underlying).socket(zmq.PAIR)
+            self._monitor.setsockopt(zmq.LINGER, 0)
+            self._monitor.connect(address)
             self._dealer.connect(connect)
         except BaseException:
-            self._context.destroy(linger=0)
+            self.close()
             raise
+
+    def connection_problem(self) -> str | None:
+        """Why nothing may have come back, as far as ZeroMQ can tell: a refused CURVE
+        handshake, or no connection at all; None once a connection was made and nothing
+        failed. It reads the events queued since the last call (never blocks)."""
+        while self._monitor is not None:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected, self._handshake_failure = True, None
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and (
+                    value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+                self._handshake_failure = HANDSHAKE_MECHANISM
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                          zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                self._handshake_failure = HANDSHAKE_REFUSED
+            elif kind == zmq.EVENT_CONNECTED:
+                self._connected = True
+        if self._handshake_failure is not None:
+            return self._handshake_failure
+        return None if self._connected else NOT_CONNECTED
 
     def subscribe(self, pub_port: int) -> None:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -176,6 +225,9 @@ class ZmqClient:
         return [f.buffer for f in await self._sub.recv_multipart(copy=False)]
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
         self._context.destroy(linger=0)
 
 

@@ -33,6 +33,7 @@ class CoordinatorConfig:
     checkpoint_every: int | None = None  # versions between checkpoints (None: only at the end)
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir, if any
     keys: ServerKeys | None = None  # CURVE: encrypt, and admit only the authorized workers
+    trace: Path | None = None  # write a Chrome trace-event timeline of the run here
 
     def __post_init__(self) -> None:
         if self.max_workers is not None and self.max_workers < 1:

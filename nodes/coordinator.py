@@ -25,6 +25,7 @@ from bus.buffers import SendBuffers, Tracker
 from bus.codec import decode, encode
 from bus.errors import WireError
 from bus.messages import (
+    BUILD,
     Ack,
     Heartbeat,
     Join,
@@ -45,6 +46,7 @@ from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
 from nodes.membership import Member, Membership
 from nodes.metrics import Metrics
+from nodes.watch import Status, Watch
 from strategies.base import (
     Apply,
     Arrived,
@@ -73,6 +75,12 @@ class State(str, enum.Enum):
     TRAINING = "training"
     STOPPING = "stopping"  # target reached or failed: telling workers to leave
     STOPPED = "stopped"
+
+
+_UNKNOWN_BUILD = "unknown"  # a build that cannot tell its release (or none said): not judged
+
+# A worker's reported phase, as the status table names it (a held push is "staleness").
+_STATES = {"waiting": "barrier"}
 
 
 class TrainingError(Exception):
@@ -176,6 +184,7 @@ class Coordinator:
         self._warned: dict[tuple[bytes, str], float] = {}  # rate limit of rejection warnings
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
                                append=config.resume)
+        self.watch = Watch(self.metrics, trace=config.trace)
 
     def _make_optimizer(
         self, optimizer: OptimizerFactory | None, lr: float
@@ -227,6 +236,7 @@ class Coordinator:
             if self._server.rejected:  # CURVE handshakes of unlisted keys
                 self.metrics.rejected["handshake"] = self._server.rejected
             self._server.close()
+            self.watch.close()
         if self._failure is not None:
             self.metrics.close()
             raise TrainingError(self._failure)
@@ -336,6 +346,8 @@ class Coordinator:
                 # or not: where its data has got to, for a restart.
                 self._positions[member.rank] = (self._positions.get(member.rank, 0)
                                                 + self.strategy.rhythm.local_steps)
+                # Fresher than its last beat (beats come every heartbeat_s): for the status.
+                member.phase, member.version = "pushing", max(member.version, message.version)
                 await self._push(peer, member, message, now)
             case Pull(version=have):
                 if self._snapshot is not None and have >= self._snapshot.version:
@@ -356,6 +368,13 @@ class Coordinator:
     async def _join(self, peer: bytes, message: Join, now: float) -> None:
         if self.state is State.STOPPING:
             await self._reply(peer, Stop(request=message.request, version=self.version))
+            return
+        if message.build not in ("", _UNKNOWN_BUILD, BUILD) and BUILD != _UNKNOWN_BUILD:
+            await self._refuse(
+                peer, message, RejectCode.BUILD,
+                f"the worker runs tensorbus {message.build}, the coordinator {BUILD}: install "
+                "the same release on both",
+            )
             return
         if message.layout != self.flat.layout.digest:
             await self._refuse(
@@ -392,6 +411,7 @@ class Coordinator:
             decisions = self.strategy.handle(Arrived(member.rank, message.version, now))
             self.metrics.max_clock_gap = max(self.metrics.max_clock_gap, self.strategy.clock_gap())
         self.metrics.worker(member.rank)["pushes"] += 1
+        self.watch.pushed(member.rank, message, time.time())
         dropped = ""
         for decision in decisions:
             match decision:
@@ -403,6 +423,7 @@ class Coordinator:
                     dropped = reason.value
         if dropped:
             await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
+            self.watch.answered(member.rank)
         else:
             member.clock = max(member.clock, message.clock + 1)  # what it says, once taken
             # Answered before the step is taken, so that a worker that need not wait goes on.
@@ -418,6 +439,8 @@ class Coordinator:
             self._parked[member.rank] = _Parked(peer, request, now, push)
         else:
             await self._reply(peer, Ack(request=request, version=self.version))
+            if push:
+                self.watch.answered(member.rank)
 
     async def _unpark(self, workers: Iterable[int], *, stop: bool = False) -> None:
         now = time.monotonic()
@@ -425,10 +448,12 @@ class Coordinator:
             parked = self._parked.pop(rank, None)
             if parked is None:
                 continue  # it left meanwhile
+            held_s = now - parked.since
             if parked.push:
-                self.metrics.worker(rank)["held_s"] += now - parked.since
+                self.metrics.worker(rank)["held_s"] += held_s
+                self.watch.answered(rank, held_since=time.time() - held_s)
             answer: Message = (Stop(request=parked.request, version=self.version) if stop
-                               else Ack(request=parked.request, version=self.version))
+                               else Ack(request=parked.request, version=self.version, held_s=held_s))
             await self._reply(parked.peer, answer)
 
     # Carrying out decisions ----------------------------------------------------------------
@@ -457,7 +482,9 @@ class Coordinator:
     async def _apply_locked(self, decision: Apply, held: list[_Held]) -> None:
         if self._target is None and self._target_samples is None:
             self._target_samples = self._epochs_to_samples()
+        started = time.time()
         await asyncio.to_thread(self._step, [h.tensors for h in held], decision.scale)
+        self.watch.span("apply", started, version=self.version + 1, workers=list(decision.workers))
         staleness = self.version - decision.version
         self.version += 1
         self.metrics.max_staleness = max(self.metrics.max_staleness, staleness)
@@ -468,7 +495,9 @@ class Coordinator:
         self.metrics.step(self.version, loss, samples, decision.workers, staleness)
         if self.state is State.STARTING:
             self._enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
+        started = time.time()
         await self._publish()
+        self.watch.span("broadcast", started, version=self.version)
         self._maybe_take_eval_point()
         done = self._done_share()
         if self._on_step is not None:
@@ -550,8 +579,9 @@ class Coordinator:
         directory = self.config.checkpoint_dir
         if directory is None or self.version == 0:
             return
-        started = time.monotonic()
+        started, wall = time.monotonic(), time.time()
         path = await asyncio.to_thread(checkpoint.save, directory, self.checkpoint_state())
+        self.watch.span("checkpoint", wall, version=self.version)
         self.metrics.write("checkpoint", version=self.version, path=str(path),
                            seconds=round(time.monotonic() - started, 6))
         log.info("checkpoint of version %d written to %s", self.version, path)
@@ -714,6 +744,7 @@ class Coordinator:
     async def _depart(self, member: Member, why: str, *, lost: bool = False) -> None:
         # A departed worker's kept update stays held: the strategy may still count it.
         self._members.remove(member)
+        self.watch.left(member.rank)
         parked = self._parked.pop(member.rank, None)
         if parked is not None:
             # It may still be alive and waiting (removed for silence, say): never leave it
@@ -731,6 +762,24 @@ class Coordinator:
             log.warning("%s %s", member.describe(), why)
         else:
             log.info("%s %s", member.describe(), why)
+
+    def status(self) -> Status:
+        """What the run and each live worker are doing now (the status table)."""
+        now = time.monotonic()
+        rows = []
+        for member in sorted(self._members, key=lambda m: m.rank):
+            parked = self._parked.get(member.rank)
+            if parked is not None:
+                state = "staleness" if parked.push else "start gate"
+            else:
+                state = _STATES.get(member.phase, member.phase)
+            rows.append(self.watch.row(
+                member.rank, state=state, seen_s=now - member.last_seen, clock=member.clock,
+                version=member.version, behind=max(self.version - member.version, 0),
+            ))
+        return Status(state=self.state.value, version=self.version, target=self._target,
+                      samples=self.metrics.samples, train_s=self.metrics.train_s(),
+                      loss=self.metrics.final_loss, workers=tuple(rows))
 
     def _pub_port(self) -> int:
         assert self._server is not None

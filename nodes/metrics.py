@@ -2,7 +2,8 @@
 
 The summary holds at least what DESIGN.md lists (strategy, workers, steps, wall_s,
 final_loss, dropped, max_staleness, max_clock_gap) plus whatever `evaluate` returned,
-and per worker: updates pushed, applied and dropped, and seconds held back by the strategy.
+and per worker: updates pushed, applied and dropped, seconds held back by the strategy, and
+the seconds it reported computing, communicating and waiting (see `nodes.telemetry`).
 Training time (`train_s`) runs from the opening of the start gate to the stop, so that
 start-up (processes importing torch, loading data) is not counted as training.
 """
@@ -43,7 +44,8 @@ class Metrics:
         """The counters of one worker, made on first use."""
         if rank not in self.per_worker:
             self.per_worker[rank] = {"joins": 0, "pushes": 0, "applied": 0, "dropped": 0,
-                                     "held_s": 0.0}
+                                     "held_s": 0.0, "compute_s": 0.0, "comm_s": 0.0,
+                                     "wait_s": 0.0}
         return self.per_worker[rank]
 
     def resumed(self, version: int, samples: int, path: str) -> None:

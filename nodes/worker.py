@@ -31,7 +31,14 @@ from torch import nn
 from bus.buffers import Tracker, wait_sent
 from bus.codec import decode, encode
 from bus.deadline import within
-from bus.errors import PeerTimeoutError, RejectedError, WireError
+from bus.errors import (
+    HandshakeError,
+    PeerTimeoutError,
+    ProtocolVersionError,
+    RejectedError,
+    WireError,
+    quote,
+)
 from bus.messages import (
     BUILD,
     Ack,
@@ -49,7 +56,7 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.transport import ZmqClient
+from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, ZmqClient
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
 from strategies.base import PushKind, Wait
@@ -211,9 +218,12 @@ class Worker:
             try:
                 reply = await self._request(join, timeout=min(wait, max(deadline - time.monotonic(), 0.1)))
             except PeerTimeoutError:
+                peer = f"coordinator at {self.config.connect}"
+                problem = self._client.connection_problem() if self._client else None
+                if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM):
+                    raise HandshakeError(peer, problem) from None  # waiting will not mend it
                 if time.monotonic() >= deadline:
-                    raise PeerTimeoutError(f"coordinator at {self.config.connect}", what,
-                                           within_s) from None
+                    raise PeerTimeoutError(peer, what, within_s, problem or "") from None
                 wait = min(wait * 2, 10.0)
                 continue
             except RejectedError as e:
@@ -261,21 +271,32 @@ class Worker:
         batch_iter = self._batches
         pushed = self.flat.weights if self._optimizer is not None else self.flat.grads
         sent: Tracker | None = None
+        # Where time goes between computes, reported with the next push (telemetry).
+        comm_s = wait_s = 0.0
         while True:
+            started = time.monotonic()
             # The pushed buffer is written by the next compute or load: the send must be done.
             await wait_sent(sent, timeout=self._timeout_s, what="the last update")
             self._load_latest()
+            comm_s += time.monotonic() - started
             self._enter(Phase.COMPUTING)
+            began, started = time.time(), time.monotonic()
             loss, samples = await asyncio.to_thread(self._compute, batch_iter, welcome.local_steps)
+            compute_s = time.monotonic() - started
             self._last_loss = loss
             self._enter(Phase.PUSHING)
             computed_on = self.version
             push = Push(sender=self.rank, version=computed_on, clock=self.clock, loss=loss,
-                        samples=samples, tensors=pushed)
+                        samples=samples, tensors=pushed, began=began, compute_s=compute_s,
+                        comm_s=comm_s, wait_s=wait_s)
             self.clock += 1  # counted when sent, so that heartbeats from now on include it
             # The answer may be held back by the strategy (ssp's bound): wait while the
             # coordinator is alive, not against a fixed deadline.
+            started = time.monotonic()
             ack, sent = await self._request_tracked(push, patient=True)
+            answered = time.monotonic()
+            held_s = min(max(ack.held_s, 0.0), answered - started) if isinstance(ack, Ack) else 0.0
+            comm_s, wait_s = answered - started - held_s, held_s
             if isinstance(ack, Ack) and ack.dropped:
                 log.info("worker %d: update on version %d dropped (%s)", self.rank, computed_on, ack.dropped)
                 if ack.version > computed_on:
@@ -283,6 +304,7 @@ class Worker:
                     # worker would compute on the old version again, and again.
                     self._enter(Phase.WAITING)
                     await self._await_version(newer_than=ack.version - 1)
+                wait_s += time.monotonic() - answered
                 continue  # it does not count for its version: compute again
             # What to wait for is the strategy's (see strategies.base.Wait).
             if wait is Wait.NEWER:
@@ -291,6 +313,7 @@ class Worker:
             elif wait is Wait.ANSWERED and ack.version > self.version:
                 self._enter(Phase.WAITING)
                 await self._await_version(newer_than=ack.version - 1)
+            wait_s += time.monotonic() - answered
 
     def _load(self, welcome: Welcome) -> Iterable[Any]:
         try:
@@ -413,6 +436,16 @@ class Worker:
             frames = await self._client.recv()
             try:
                 message = decode(frames, layout=self.flat.layout)
+            except ProtocolVersionError as e:
+                # Another release: nothing it says can be read, so every wait would time
+                # out; say why now, to whatever waits for an answer.
+                refused = RejectedError(RejectCode.PROTOCOL.value, (
+                    f"the coordinator speaks protocol {quote(e.got)}, this worker {e.expected}: "
+                    "run the same tensorbus release on the coordinator and every worker"))
+                for future in self._pending.values():
+                    if not future.done():
+                        future.set_exception(refused)
+                continue
             except WireError as e:
                 log.warning("worker %d: bad reply from the coordinator: %s", self.rank, e)
                 continue
@@ -516,7 +549,8 @@ class _Epochs:
                 self._it = iter(self._shards)
                 batch = next(self._it)
         except StopIteration:
-            raise DataError(f"{self._described} yielded no batches") from None
+            raise DataError(f"{self._described} yielded no batches: every rank needs at least "
+                            "one; use fewer workers, a smaller --batch-size, or more data") from None
         except Exception as e:
             raise DataError(f"iterating {self._described} raised {type(e).__name__}: {e}") from e
         self.position += 1

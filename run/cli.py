@@ -1,8 +1,10 @@
 """The `tensorbus` command: `local`, `coordinator` and `worker`. The only reader of argv.
 
 Every failure a user can cause ends with one line on stderr, `tensorbus: error: ...`
-(a worker's says `error: ...`, for its launcher to pick up), and a non-zero exit status:
-2 for bad arguments or SPEC, 1 for a run that failed, 130 when interrupted.
+(a worker's says `error: ...`, for its launcher to pick up), saying what is wrong and what
+to do, and a non-zero exit status: 2 for bad arguments or SPEC, 1 for a run that failed,
+130 when interrupted. A traceback only with `--debug`; anything unforeseen is named as an
+internal error, in one line too.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import ipaddress
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from bus.errors import PeerTimeoutError, RejectedError
+from bus.errors import HandshakeError, PeerTimeoutError, RejectedError
 from bus.security import load_client_keys, make_keys
 from bus.transport import new_event_loop, split_endpoint
 from nodes.config import WorkerConfig
@@ -30,6 +33,7 @@ from run.options import RunOptions, make_coordinator
 from run.progress import ProgressLine
 from run.signals import stopping_on_signals
 from run.spec import SpecError, load_spec
+from run.status import StatusTable
 from strategies import STRATEGIES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -46,19 +50,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     error_prefix = "error: " if args.command == "worker" else "tensorbus: error: "
+
+    def fail(e: BaseException, text: str, status: int) -> int:
+        if args.debug:
+            traceback.print_exception(e)
+        elif e.__cause__ is not None and not isinstance(e.__cause__, _OURS):
+            text += " (--debug shows the traceback)"  # the SPEC's own code raised
+        print(f"{error_prefix}{text}", file=sys.stderr)
+        return status
+
     try:
-        commands = {"local": _local, "coordinator": _coordinator, "worker": _worker, "keys": _keys}
+        commands = {"local": _local, "coordinator": _coordinator, "worker": _worker,
+                    "keys": _keys, "plot": _plot}
         return commands[args.command](args)
-    except KeyboardInterrupt:
-        print(f"{error_prefix}interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return fail(e, "interrupted", 130)
     except (SpecError, ValueError) as e:
-        print(f"{error_prefix}{e}", file=sys.stderr)
-        return 2
+        return fail(e, str(e), 2)
     except (TrainingError, LocalRunError, DataError, ComputeError, PeerTimeoutError, RejectedError,
-            OSError) as e:
-        print(f"{error_prefix}{e}", file=sys.stderr)
-        return 1
+            HandshakeError, OSError) as e:
+        return fail(e, str(e), 1)
+    except Exception as e:  # noqa: BLE001 - a bug: still one line, the traceback on request
+        return fail(e, f"internal error: {type(e).__name__}: {e} (a bug in tensorbus: run "
+                       "again with --debug and report the traceback)", 1)
+
+
+# Causes that are ours and already said in full: no traceback would help a user. (A
+# ValueError or OSError as a cause came from the SPEC's code or a library: its traceback may.)
+_OURS = (SpecError, TrainingError, PeerTimeoutError, RejectedError, HandshakeError)
 
 
 def _local(args: argparse.Namespace) -> int:
@@ -66,7 +85,8 @@ def _local(args: argparse.Namespace) -> int:
     try:
         summary = launch_local(
             args.spec, _run_options(args), on_step=progress, threads=args.threads,
-            log_level=args.log_level,
+            log_level=args.log_level, status=StatusTable(sys.stderr, every_s=args.status),
+            debug=args.debug,
         )
     finally:
         if progress:
@@ -87,9 +107,11 @@ def _coordinator(args: argparse.Namespace) -> int:
     progress = ProgressLine(sys.stderr) if not args.no_progress else None
     coordinator = make_coordinator(spec, _run_options(args), bind=args.bind,
                                    pub_port=args.pub_port, on_step=progress)
+    status = StatusTable(sys.stderr, every_s=args.status)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            summary = runner.run(stopping_on_signals(coordinator, coordinator.run()))
+            summary = runner.run(stopping_on_signals(
+                coordinator, status.around(coordinator, coordinator.run())))
     finally:
         if progress:
             progress.close()
@@ -114,6 +136,17 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from run.plot import PlotError, plot  # matplotlib: only for this command
+
+    try:
+        written = plot(args.metrics, args.output, labels=args.label)
+    except PlotError as e:
+        raise ValueError(str(e)) from None
+    print(f"wrote {written}", file=sys.stderr)
+    return 0
+
+
 def _keys(args: argparse.Namespace) -> int:
     make_keys(args.directory, args.worker or ["worker"])
     print(f"keys in {args.directory}: keep coordinator.key_secret on the coordinator; give each "
@@ -135,6 +168,7 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         faults=tuple(getattr(args, "fault", None) or ()), eval_every_s=args.eval_every,
         min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
+        trace=args.trace,
     )
 
 
@@ -158,7 +192,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="tensorbus", description="Train one PyTorch model on many processes over ZeroMQ."
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -167,6 +201,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("spec", help="a SPEC: a Python file or module:object")
         p.add_argument("--threads", type=int, default=None, help="torch threads per process")
         p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+        p.add_argument("--debug", action="store_true", help="print the traceback of an error")
 
     def training(p: argparse.ArgumentParser) -> None:
         p.add_argument("--workers", type=int, required=True, help="workers to train with")
@@ -182,6 +217,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
         p.add_argument("--join-timeout", type=float, default=300.0, help="wait this long for workers")
         p.add_argument("--no-progress", action="store_true", help="no progress line")
+        p.add_argument("--status", type=float, nargs="?", const=5.0, metavar="SECONDS",
+                       help="print the per-worker status table every SECONDS (default 5); "
+                            "it is also printed on SIGUSR1, or Enter on a terminal")
+        p.add_argument("--trace", type=Path, metavar="FILE.json",
+                       help="write a timeline of the run (Chrome trace events: open it in "
+                            "Perfetto or chrome://tracing)")
         p.add_argument("--min-workers", type=int, metavar="M",
                        help="stop with an error when fewer than M workers are left (default 1)")
         p.add_argument("--max-workers", type=int, metavar="W",
@@ -251,5 +292,23 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("--worker", action="append", metavar="NAME",
                       help="a worker key pair to make and authorize (repeatable; default: worker)")
     keys.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    keys.add_argument("--debug", action="store_true", help="print the traceback of an error")
     keys.set_defaults(threads=None)  # no torch work: main() finds the setting unset
+
+    plot = commands.add_parser("plot", help="plot the --metrics files of runs into a PNG")
+    plot.add_argument("metrics", type=Path, nargs="+", metavar="METRICS.jsonl")
+    plot.add_argument("-o", "--output", type=Path, required=True, metavar="FILE.png")
+    plot.add_argument("--label", action="append", metavar="NAME",
+                      help="a run's name in the legend, one per file in order (default: "
+                           "the file's name)")
+    plot.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    plot.add_argument("--debug", action="store_true", help="print the traceback of an error")
+    plot.set_defaults(threads=None)
     return parser
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error, pointing at --help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

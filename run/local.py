@@ -26,6 +26,7 @@ from run.faults import parse_local
 from run.options import RunOptions, make_coordinator
 from run.signals import stopping_on_signals
 from run.spec import load_spec
+from run.status import StatusTable
 
 log = logging.getLogger("tensorbus.local")
 
@@ -44,10 +45,14 @@ def launch_local(
     on_step: Callable[[Progress], None] | None = None,
     threads: int | None = None,
     log_level: str = "warning",
+    status: StatusTable | None = None,
+    debug: bool = False,
 ) -> dict[str, Any]:
-    """Train with a coordinator here and `options.workers` worker processes; return the summary."""
+    """Train with a coordinator here and `options.workers` worker processes; return the summary.
+    With `status`, the per-worker table is shown as it says (see `run.status`)."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(_launch(str(spec), options, on_step, threads, log_level))
+        return runner.run(_launch(str(spec), options, on_step, threads, log_level, status,
+                                  debug))
 
 
 async def _launch(
@@ -56,6 +61,8 @@ async def _launch(
     on_step: Callable[[Progress], None] | None,
     threads: int | None,
     log_level: str,
+    status: StatusTable | None,
+    debug: bool,
 ) -> dict[str, Any]:
     spec = load_spec(spec_source)  # fail here, before any process starts
     coordinator = make_coordinator(spec, options, bind="tcp://127.0.0.1:0", on_step=on_step)
@@ -70,6 +77,8 @@ async def _launch(
             extra = [f"--fault={f}" for f in faults.get(rank, [])]
             if options.keys is not None:
                 extra += ["--keys", str(options.keys)]
+            if debug:
+                extra.append("--debug")
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "run", "worker", spec_source, "--connect", endpoint,
                 "--rank", str(rank), "--threads", str(per_worker), "--log-level", log_level,
@@ -84,7 +93,8 @@ async def _launch(
             )
             workers.append(process)
             relays.append(asyncio.create_task(_relay(rank, process, failure, coordinator)))
-        training = asyncio.create_task(stopping_on_signals(coordinator, coordinator.run()))
+        run = coordinator.run() if status is None else status.around(coordinator, coordinator.run())
+        training = asyncio.create_task(stopping_on_signals(coordinator, run))
         await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
             training.cancel()
@@ -92,6 +102,11 @@ async def _launch(
             raise LocalRunError(failure.result())
         summary = training.result()
         await _reap(workers, timeout=REAP_TIMEOUT_S)
+        # A worker that failed while the others finished (its shard was empty, say) still
+        # fails the run: it did not train as asked. Its relay has its last word.
+        await asyncio.wait(relays, timeout=REAP_TIMEOUT_S)
+        if failure.done():
+            raise LocalRunError(failure.result())
         return summary
     finally:
         await _reap(workers, timeout=0.0)

@@ -44,6 +44,7 @@ class RunOptions:
     checkpoint_every: int | None = None
     resume: bool = False
     keys: Path | None = None  # a key directory (see `tensorbus keys`): CURVE on every socket
+    trace: Path | None = None  # a Chrome trace-event timeline of the run, written here
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -74,8 +75,10 @@ def make_strategy(options: RunOptions) -> Strategy:
     for name in options.strategy_options:
         if name not in cls.options:
             takers = sorted(s for s, c in STRATEGIES.items() if name in c.options)
-            raise ValueError(f"--{name.replace('_', '-')} is an option of {' and '.join(takers)}, "
-                             f"not of {options.strategy}")
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(f"{flag} is an option of {' and '.join(takers)}, not of "
+                             f"{options.strategy}: drop it, or choose --strategy "
+                             f"{' or '.join(takers)}")
     return cls(workers=options.workers, **options.strategy_options)
 
 
@@ -107,6 +110,7 @@ def make_coordinator(
         checkpoint_every=options.checkpoint_every,
         resume=options.resume,
         keys=load_server_keys(options.keys) if options.keys is not None else None,
+        trace=options.trace,
     )
     strategy = make_strategy(options)
     return Coordinator(

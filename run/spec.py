@@ -65,7 +65,8 @@ def load_spec(source: str | Path) -> Spec:
         value = getattr(namespace, name, None)
         if value is None:
             if required:
-                raise SpecError(f"SPEC {text}: missing {described}")
+                raise SpecError(f"SPEC {text}: missing {described}: define it (see "
+                                "examples/digits.py)")
             found[name] = None
             continue
         if not callable(value):
@@ -80,7 +81,8 @@ def _import(text: str) -> ModuleType | Any:
     path = Path(text)
     if text.endswith(".py") or path.is_file():
         if not path.is_file():
-            raise SpecError(f"SPEC {text}: no such file")
+            raise SpecError(f"SPEC {text}: no such file: give a Python file's path, or "
+                            "module:object")
         name = f"tensorbus_spec_{path.stem}"
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:

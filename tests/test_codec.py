@@ -144,8 +144,8 @@ SAMPLES = {
                           tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
-                    tensors=WEIGHTS),
-    Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale"),
+                    began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, tensors=WEIGHTS),
+    Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
     Kind.PULL: Pull(sender=3, request=14, version=6),
     Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, tensors=WEIGHTS),
     Kind.HEARTBEAT: Heartbeat(sender=3, request=15, version=8, phase="computing", clock=42),
@@ -191,7 +191,8 @@ def test_header_is_the_documented_map():
         "r": 13,
         "v": 7,
         "t": [["float32", [6], 24], ["int64", [3], 24]],
-        "f": {"clock": 41, "loss": 0.1, "samples": 64},
+        "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
+              "comm_s": 0.003, "wait_s": 0.01},
     }
     assert len(frames) == 3
 
@@ -361,7 +362,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 2, -1, 255, "1", None, [1]])
+@pytest.mark.parametrize("version", [0, 1, 3, -1, 255, "2", None, [2]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
@@ -384,8 +385,8 @@ def test_missing_protocol_version():
 
 def test_other_protocol_is_told_its_version_even_if_the_rest_differs():
     with pytest.raises(ProtocolVersionError) as info:
-        decode([msgpack.packb({"p": 2, "kind": "push", "body": [1, 2]})])
-    assert (info.value.got, info.value.expected) == (2, PROTOCOL_VERSION)
+        decode([msgpack.packb({"p": 3, "kind": "push", "body": [1, 2]})])
+    assert (info.value.got, info.value.expected) == (3, PROTOCOL_VERSION)
 
 
 @pytest.mark.parametrize("version", [1.0, True], ids=["float", "bool"])

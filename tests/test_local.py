@@ -82,7 +82,8 @@ def test_a_spec_without_model_fails_in_one_line(tmp_path: Path) -> None:
     result = _run(["local", str(spec), "--workers", "2", "--steps", "3", *FAST])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"tensorbus: error: SPEC {spec}: missing model() -> torch.nn.Module"
+        f"tensorbus: error: SPEC {spec}: missing model() -> torch.nn.Module: define it "
+        "(see examples/digits.py)"
     ]
     assert _left_running(str(spec)) == []
 
@@ -99,7 +100,7 @@ def test_data_that_raises_ends_the_run_in_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("tensorbus: error: worker ")
     assert "data(rank=" in lines[0] and "world_size=2, batch_size=64)" in lines[0]
-    assert lines[0].endswith("raised ValueError: no shard here")
+    assert lines[0].endswith("raised ValueError: no shard here (--debug shows the traceback)")
     assert _left_running(str(spec)) == []
 
 

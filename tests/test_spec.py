@@ -45,7 +45,7 @@ def test_each_missing_function_is_named(tmp_path: Path, name: str, described: st
     path = _write(tmp_path, GOOD.replace(f"def {name}(", f"def not_{name}("))
     with pytest.raises(SpecError) as error:
         load_spec(path)
-    assert str(error.value) == f"SPEC {path}: missing {described}"
+    assert str(error.value) == f"SPEC {path}: missing {described}: define it (see examples/digits.py)"
 
 
 def test_wrong_parameters_and_non_callables_are_named(tmp_path: Path) -> None:

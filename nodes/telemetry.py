@@ -1,0 +1,121 @@
+"""Where each worker's time goes, and who the straggler is: the coordinator's view of its workers.
+
+Every push carries the worker's own measurements (see `bus.messages.Push`): seconds spent
+computing the update, and since the compute before it, seconds communicating and seconds
+waiting (held back by the strategy, or for a version). `Telemetry` adds them up per rank and
+keeps the last few compute times, from which it names stragglers: a worker whose recent
+compute time (the median of its last `window` updates, so that one hiccup is not enough)
+stays at least `factor` times the median of the other workers' and `floor_s` above it.
+It has no clock of its own and no I/O: figures in, verdicts out, as strategies are.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerTimes:
+    """One rank's totals and its recent compute times (per update)."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wait_s: float = 0.0
+    updates: int = 0
+    recent: deque[float] = field(default_factory=deque)
+    straggler: bool = False
+
+    def shares(self) -> tuple[float, float, float]:
+        """The shares of time computing, communicating and waiting (zeros before any)."""
+        total = self.compute_s + self.comm_s + self.wait_s
+        if total <= 0:
+            return 0.0, 0.0, 0.0
+        return self.compute_s / total, self.comm_s / total, self.wait_s / total
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A worker became a straggler (`slow`) or stopped being one."""
+
+    rank: int
+    slow: bool
+    compute_s: float  # its recent compute time per update
+    others_s: float  # the other workers' median recent compute time per update
+
+    def describe(self) -> str:
+        ms, others_ms = self.compute_s * 1000, self.others_s * 1000
+        if self.slow:
+            ratio = self.compute_s / self.others_s if self.others_s > 0 else float("inf")
+            return (f"worker {self.rank} is a straggler: {ms:.0f} ms computing an update "
+                    f"(median of its last ones), {ratio:.1f}x the others' {others_ms:.0f} ms")
+        return (f"worker {self.rank} is no longer a straggler: {ms:.0f} ms computing an "
+                f"update, the others {others_ms:.0f} ms")
+
+
+class Telemetry:
+    def __init__(self, *, window: int = 5, factor: float = 1.5, floor_s: float = 0.005) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        if not factor > 1:
+            raise ValueError(f"factor must be above 1, got {factor}")
+        self.window = window
+        self.factor = factor
+        self.floor_s = floor_s
+        self.workers: dict[int, WorkerTimes] = {}
+
+    def record(self, rank: int, *, compute_s: float, comm_s: float, wait_s: float) -> None:
+        """Add one update's figures (negative or non-finite ones, from a confused peer, as 0)."""
+        times = self.workers.setdefault(rank, WorkerTimes(recent=deque(maxlen=self.window)))
+        compute_s, comm_s, wait_s = (_sane(x) for x in (compute_s, comm_s, wait_s))
+        times.compute_s += compute_s
+        times.comm_s += comm_s
+        times.wait_s += wait_s
+        times.updates += 1
+        times.recent.append(compute_s)
+
+    def forget(self, rank: int) -> None:
+        """A worker left: it no longer counts among the others (its totals stay)."""
+        times = self.workers.get(rank)
+        if times is not None:
+            times.recent.clear()
+            times.straggler = False
+
+    def recent(self, rank: int) -> float | None:
+        """The median of the rank's last `window` compute times; None before any."""
+        times = self.workers.get(rank)
+        if times is None or not times.recent:
+            return None
+        return statistics.median(times.recent)
+
+    def check(self) -> list[Verdict]:
+        """Who became a straggler, or stopped being one, since the last check.
+
+        A rank is judged once it has a full window; the others' figure is the median of
+        their recent medians, so that with three or more workers one slow rank does not
+        raise the bar it is measured against.
+        """
+        ready = {r: statistics.median(t.recent) for r, t in self.workers.items()
+                 if len(t.recent) == self.window}
+        verdicts = []
+        for rank, mine in ready.items():
+            others = [v for r, v in ready.items() if r != rank]
+            if not others:
+                continue
+            bar = statistics.median(others)
+            times = self.workers[rank]
+            slow = mine >= self.factor * bar and mine - bar >= self.floor_s
+            # Recovered only once well below the bar: no flapping around the threshold.
+            recovered = mine < (1 + self.factor) / 2 * bar or mine - bar < self.floor_s / 2
+            if slow and not times.straggler:
+                times.straggler = True
+                verdicts.append(Verdict(rank, True, mine, bar))
+            elif times.straggler and recovered:
+                times.straggler = False
+                verdicts.append(Verdict(rank, False, mine, bar))
+        return verdicts
+
+
+def _sane(seconds: float) -> float:
+    return seconds if 0.0 <= seconds < float("inf") else 0.0

@@ -1,0 +1,205 @@
+"""Every failure a user can cause: one line saying what is wrong and what to do, and an exit
+status that is not 0. These are the messages of the README's table, checked word for word
+where they are fixed and by their parts where they hold a port or a path.
+
+The mismatches (keys, release, protocol) run against one coordinator with keys, started
+once; each refused worker is a real process that must give up at once, not at its timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import Cluster
+
+import run.cli
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = str(ROOT / "examples" / "digits.py")
+
+
+def _tensorbus(*args: str, python: str | None = None,
+               timeout: float = 45) -> subprocess.CompletedProcess[str]:
+    """`tensorbus ARGS`, or the same after running `python` first (to fake another build)."""
+    code = "import sys; from run.cli import main; sys.exit(main(sys.argv[1:]))"
+    command = [sys.executable, "-c", f"{python}; {code}"] if python else [
+        sys.executable, "-m", "run"]
+    return subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+
+
+def _one_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_spec_that_does_not_exist() -> None:
+    done = _tensorbus("local", "nope.py", "--workers", "2")
+    assert done.returncode == 2
+    assert _one_line(done) == ("tensorbus: error: SPEC nope.py: no such file: give a Python "
+                               "file's path, or module:object")
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--steps", "3", "--epochs", "2"],
+     "tensorbus local: error: argument --epochs: not allowed with argument --steps "
+     "(see tensorbus local --help)"),
+    (["--strategy", "sync", "--staleness", "2"],
+     "tensorbus: error: --staleness is an option of ssp, not of sync: drop it, or choose "
+     "--strategy ssp"),
+    (["--resume"], "tensorbus: error: --resume and --checkpoint-every need --checkpoint-dir"),
+    (["--min-workers", "3"], "tensorbus: error: --min-workers must be in 1..--workers (2), got 3"),
+], ids=["steps-and-epochs", "option-of-another-strategy", "resume-without-dir", "min-workers"])
+def test_a_wrong_combination_of_flags(args: list[str], line: str) -> None:
+    done = _tensorbus("local", DIGITS, "--workers", "2", *args)
+    assert done.returncode == 2
+    assert _one_line(done) == line
+
+
+def test_an_address_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _tensorbus("coordinator", DIGITS, "--bind", f"tcp://127.0.0.1:{port}",
+                          "--workers", "1")
+    assert done.returncode == 1
+    assert _one_line(done) == (
+        f"tensorbus: error: cannot bind tcp://127.0.0.1:{port} or its broadcast port (Address "
+        "already in use); the broadcast port is PORT+1 unless --pub-port says otherwise: stop "
+        "what holds them, or choose other ports")
+
+
+def test_a_public_address_without_keys() -> None:
+    done = _tensorbus("coordinator", DIGITS, "--bind", "tcp://0.0.0.0:5555", "--workers", "1")
+    assert done.returncode == 2
+    assert _one_line(done) == (
+        "tensorbus: error: --bind tcp://0.0.0.0:5555 is not a loopback address and no --keys "
+        "were given: anyone who can reach it could join and read the weights; make keys with "
+        "`tensorbus keys DIR` and pass --keys DIR, or pass --insecure to accept that")
+
+
+def test_an_unreachable_coordinator() -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    done = _tensorbus("worker", DIGITS, "--connect", endpoint, "--join-timeout", "1.5")
+    assert done.returncode == 1
+    assert _one_line(done) == (
+        f"error: coordinator at {endpoint} did not answer join within 1.5 s: no connection was "
+        "made: is the coordinator running and reachable at that address (check --connect, and "
+        "the host's firewall)?")
+
+
+def test_a_data_shard_empty_for_a_rank(tmp_path: Path) -> None:
+    spec = tmp_path / "uneven.py"
+    spec.write_text(Path(DIGITS).read_text() + (
+        "\n\n_all_data = data\n\n"
+        "def data(rank, world_size, batch_size):\n"
+        "    return [] if rank == 1 else _all_data(rank, world_size, batch_size)\n"))
+    done = _tensorbus("local", str(spec), "--workers", "2", "--steps", "5", "--threads", "1",
+                      "--no-progress")
+    assert done.returncode == 1
+    assert _one_line(done) == (
+        "tensorbus: error: worker 1 failed (exit status 1): data(rank=1, world_size=2, "
+        "batch_size=64) yielded no batches: every rank needs at least one; use fewer workers, "
+        "a smaller --batch-size, or more data")
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A coordinator with keys for worker `alice`, waiting for a worker that never comes."""
+    tmp = tmp_path_factory.mktemp("keyed")
+    assert _tensorbus("keys", str(tmp / "keys"), "--worker", "alice").returncode == 0
+    assert _tensorbus("keys", str(tmp / "other"), "--worker", "alice").returncode == 0
+    c = Cluster(tmp)
+    try:
+        c.start_coordinator("--workers", "1", "--steps", "5", "--keys", str(tmp / "keys"))
+        yield c
+    finally:
+        c.reap()
+
+
+def _worker_of(c: Cluster, *args: str, python: str | None = None) -> tuple[str, float]:
+    started = time.monotonic()
+    done = _tensorbus("worker", str(c.spec), "--connect", c.endpoint, "--join-timeout", "30",
+                      *args, python=python)
+    assert done.returncode == 1, done.stderr
+    return _one_line(done), time.monotonic() - started
+
+
+def test_a_worker_key_the_coordinator_does_not_list(keyed: Cluster) -> None:
+    line, seconds = _worker_of(keyed, "--keys", str(keyed.tmp / "other"), "--key-name", "alice")
+    assert line == (
+        f"error: cannot talk to coordinator at {keyed.endpoint}: the coordinator refused the "
+        "CURVE handshake: its authorized/ directory lacks this worker's public key (--key-name "
+        "picks which), or the coordinator.key given is not the coordinator's")
+    assert seconds < 15  # told at once, not after --join-timeout
+
+
+def test_a_worker_without_keys_for_a_coordinator_with_them(keyed: Cluster) -> None:
+    line, seconds = _worker_of(keyed)
+    assert line == (
+        f"error: cannot talk to coordinator at {keyed.endpoint}: one side uses CURVE keys and the "
+        "other does not: give --keys to both the coordinator and the worker, or to neither")
+    assert seconds < 15
+
+
+def test_a_worker_of_another_release(keyed: Cluster) -> None:
+    line, _ = _worker_of(keyed, "--keys", str(keyed.tmp / "keys"), "--key-name", "alice",
+                         python="import nodes.worker; nodes.worker.BUILD = '9.9.9'")
+    from bus.messages import BUILD
+    assert line == (f"error: rejected (build): the worker runs tensorbus 9.9.9, the coordinator "
+                    f"{BUILD}: install the same release on both")
+
+
+def test_a_worker_of_another_protocol(keyed: Cluster) -> None:
+    line, seconds = _worker_of(keyed, "--keys", str(keyed.tmp / "keys"), "--key-name", "alice",
+                               python="import bus.codec; bus.codec.PROTOCOL_VERSION = 1")
+    from bus.messages import PROTOCOL_VERSION
+    assert line == (
+        f"error: rejected (protocol): the coordinator speaks protocol {PROTOCOL_VERSION}, this "
+        "worker 1: run the same tensorbus release on the coordinator and every worker")
+    assert seconds < 15
+
+
+def test_a_bug_is_one_line_and_its_traceback_is_for_debug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    def broken(args: object) -> int:
+        raise KeyError("oops")
+
+    monkeypatch.setattr(run.cli, "_keys", broken)
+    assert run.cli.main(["keys", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tensorbus: error: internal error: KeyError: 'oops' (a bug in tensorbus: run again with "
+        "--debug and report the traceback)"]
+    assert run.cli.main(["keys", str(tmp_path), "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "in broken" in err
+    assert err.splitlines()[-1].startswith("tensorbus: error: internal error: KeyError")
+
+
+def test_an_error_in_the_specs_code_offers_its_traceback(tmp_path: Path) -> None:
+    spec = tmp_path / "raising.py"
+    spec.write_text(Path(DIGITS).read_text() + "\n\ndef model():\n    return 1 / 0\n")
+    done = _tensorbus("coordinator", str(spec), "--bind", "tcp://127.0.0.1:0", "--workers", "1")
+    assert done.returncode == 2
+    assert _one_line(done) == (f"tensorbus: error: SPEC {spec}: model() raised "
+                               "ZeroDivisionError: division by zero (--debug shows the traceback)")
+    done = _tensorbus("coordinator", str(spec), "--bind", "tcp://127.0.0.1:0", "--workers", "1",
+                      "--debug")
+    assert done.returncode == 2 and "in model\n" in done.stderr and "return 1 / 0" in done.stderr
