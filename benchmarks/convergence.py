@@ -10,8 +10,10 @@ accuracy against training time (from the opening of the start gate, so process s
 not counted) without slowing the runs.
 
 Writes under benchmarks/results/: convergence.md (the table), convergence.json (every
-figure and curve) and convergence.png (accuracy against training time, one line per
-model, one panel per condition). Takes a few minutes on 2 cores:
+figure and curve), convergence.png (accuracy against training time, one line per
+model, one panel per condition) and convergence-straggler.png (`tensorbus plot` of the
+runs with the straggler: loss, accuracy, and each worker's split of time, where the
+straggler shows). Takes a few minutes on 2 cores:
 
     python benchmarks/convergence.py
 """
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from run.local import launch_local
+from run.plot import plot as draw
 from run.options import RunOptions
 
 SPEC = ROOT / "examples" / "fashion_mnist.py"
@@ -83,6 +86,7 @@ def run(model: Model, args: argparse.Namespace, slow_ms: int | None, workdir: Pa
         "median_step_s": statistics.median(b - a for a, b in itertools.pairwise(steps))
         if len(steps) > 2 else None,
         "curve": curve,
+        "metrics": str(metrics),  # a temporary file: for `tensorbus plot` below
     }
 
 
@@ -176,6 +180,11 @@ def main() -> None:
                       f"train {result['train_s']:.1f} s to-target {result['time_to_target_s']}",
                       file=sys.stderr)
                 results.append(result)
+        slowed_runs = [r for r in results if r["straggler_ms"]]
+        draw([Path(r["metrics"]) for r in slowed_runs], args.out / "convergence-straggler.png",
+             labels=[r["label"] for r in slowed_runs])
+    for r in results:
+        del r["metrics"]  # gone with the temporary directory
     for r in results:  # the straggler's slow-down, measured
         pushes = {int(k): v["pushes"] for k, v in r["per_worker"].items()}
         others = [v for k, v in pushes.items() if k != STRAGGLER]

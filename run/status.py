@@ -1,7 +1,7 @@
 """The status table of `local` and `coordinator`: what each worker is doing, and who is slow.
 
 Printed every SECONDS with `--status SECONDS`, and on request at any time: `kill -USR1 PID`,
-or Enter on the terminal the run was started from. On a terminal the table first clears
+or Enter on the terminal the run was started from (when it runs in the foreground). On a terminal the table first clears
 the progress line (which redraws itself at the next step); elsewhere every line starts
 with `status:`, so that logs stay greppable.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Iterator
@@ -42,6 +43,14 @@ def format_status(status: Status) -> list[str]:
                  for i, (cell, width) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     return lines
+
+
+def _foreground(stream: TextIO) -> bool:
+    """Whether this process owns the terminal's input (not started with `&`, say)."""
+    try:
+        return os.tcgetpgrp(stream.fileno()) == os.getpgrp()
+    except OSError:
+        return False
 
 
 class StatusTable:
@@ -88,8 +97,13 @@ class StatusTable:
         except (RuntimeError, ValueError):  # not the main thread: no signals
             pass
         stdin = sys.stdin
-        if stdin is not None and not stdin.closed and stdin.isatty():
+        if stdin is not None and not stdin.closed and stdin.isatty() and _foreground(stdin):
             def on_enter() -> None:
+                if not _foreground(stdin):
+                    # Sent to the background since: reading the terminal would stop us
+                    # (SIGTTIN). Stop listening; SIGUSR1 still works.
+                    loop.remove_reader(stdin.fileno())
+                    return
                 stdin.readline()  # a line is there: the terminal hands input over by lines
                 self.show(coordinator)
 

@@ -41,7 +41,7 @@ def test_one_hiccup_is_not_a_straggler() -> None:
 
 
 def test_recovery_is_named_and_does_not_flap_at_the_threshold() -> None:
-    t = Telemetry(window=3, factor=1.5)
+    t = Telemetry(window=3, factor=1.5, floor_s=0.001)
     assert feed(t, {0: 0.010, 1: 0.030}, times=3) == [(1, True)]
     assert feed(t, {0: 0.010, 1: 0.014}, times=3) == []  # 1.4x: between the marks, still slow
     assert feed(t, {0: 0.010, 1: 0.011}, times=3) == [(1, False)]
@@ -54,7 +54,7 @@ def test_differences_below_the_floor_are_noise() -> None:
 
 def test_with_three_workers_the_slow_one_is_measured_against_the_others() -> None:
     t = Telemetry(window=3)
-    assert feed(t, {0: 0.010, 1: 0.011, 2: 0.020}, times=3) == [(2, True)]
+    assert feed(t, {0: 0.010, 1: 0.011, 2: 0.030}, times=3) == [(2, True)]
 
 
 def test_a_worker_alone_is_never_a_straggler_and_a_leaver_stops_counting() -> None:
