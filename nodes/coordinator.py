@@ -31,6 +31,7 @@ from bus.messages import (
     Join,
     Leave,
     Message,
+    Phase,
     Pull,
     Push,
     Ready,
@@ -62,6 +63,7 @@ from strategies.base import (
     Stall,
     Strategy,
     Tick,
+    Wait,
 )
 
 log = logging.getLogger("tensorbus.coordinator")
@@ -441,6 +443,10 @@ class Coordinator:
             await self._reply(peer, Ack(request=request, version=self.version))
             if push:
                 self.watch.answered(member.rank)
+                # What it does now, for the status (beats may come only every few steps):
+                # sync and average wait for the next version; the others compute on.
+                waits = self.strategy.rhythm.wait is Wait.NEWER
+                member.phase = Phase.WAITING.value if waits else Phase.COMPUTING.value
 
     async def _unpark(self, workers: Iterable[int], *, stop: bool = False) -> None:
         now = time.monotonic()
@@ -498,6 +504,9 @@ class Coordinator:
         started = time.time()
         await self._publish()
         self.watch.span("broadcast", started, version=self.version)
+        for member in self._members:  # released from the barrier by this version
+            if member.phase == Phase.WAITING.value and member.rank in decision.workers:
+                member.phase = Phase.COMPUTING.value
         self._maybe_take_eval_point()
         done = self._done_share()
         if self._on_step is not None:
