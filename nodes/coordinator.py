@@ -349,7 +349,8 @@ class Coordinator:
                 self._positions[member.rank] = (self._positions.get(member.rank, 0)
                                                 + self.strategy.rhythm.local_steps)
                 # Fresher than its last beat (beats come every heartbeat_s): for the status.
-                member.phase, member.version = "pushing", max(member.version, message.version)
+                member.phase = Phase.PUSHING.value
+                member.version = max(member.version, message.version)
                 await self._push(peer, member, message, now)
             case Pull(version=have):
                 if self._snapshot is not None and have >= self._snapshot.version:

@@ -68,8 +68,10 @@ class Telemetry:
         self.floor_s = floor_s
         self.workers: dict[int, WorkerTimes] = {}
 
-    def record(self, rank: int, *, compute_s: float, comm_s: float, wait_s: float) -> None:
-        """Add one update's figures (negative or non-finite ones, from a confused peer, as 0)."""
+    def record(self, rank: int, *, compute_s: float, comm_s: float,
+               wait_s: float) -> tuple[float, float, float]:
+        """Add one update's figures (negative or non-finite ones, from a confused peer, as
+        0) and return them as counted, for whoever records them elsewhere."""
         times = self.workers.setdefault(rank, WorkerTimes(recent=deque(maxlen=self.window)))
         compute_s, comm_s, wait_s = (_sane(x) for x in (compute_s, comm_s, wait_s))
         times.compute_s += compute_s
@@ -77,6 +79,7 @@ class Telemetry:
         times.wait_s += wait_s
         times.updates += 1
         times.recent.append(compute_s)
+        return compute_s, comm_s, wait_s
 
     def forget(self, rank: int) -> None:
         """A worker left: it no longer counts among the others (its totals stay)."""

@@ -10,6 +10,7 @@ table. It never touches a socket; the coordinator stays the one place that acts.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,17 +61,18 @@ class Watch:
 
     def pushed(self, rank: int, push: Push, arrived: float) -> None:
         """A push arrived (at wall time `arrived`), with its worker's figures."""
-        self.telemetry.record(rank, compute_s=push.compute_s, comm_s=push.comm_s,
-                              wait_s=push.wait_s)
+        # Sane figures only from here on: NaN from a confused peer would make invalid JSON.
+        figures = dict(zip(("compute_s", "comm_s", "wait_s"), self.telemetry.record(
+            rank, compute_s=push.compute_s, comm_s=push.comm_s, wait_s=push.wait_s),
+            strict=True))
         counters = self.metrics.worker(rank)
-        for name in ("compute_s", "comm_s", "wait_s"):
-            counters[name] += max(getattr(push, name), 0.0)
+        for name, seconds in figures.items():
+            counters[name] += seconds
         self.metrics.write("worker", rank=rank, version=push.version, clock=push.clock,
-                           compute_s=round(push.compute_s, 6), comm_s=round(push.comm_s, 6),
-                           wait_s=round(push.wait_s, 6))
-        if self.trace is not None:
+                           **{name: round(seconds, 6) for name, seconds in figures.items()})
+        if self.trace is not None and math.isfinite(push.began):
             track = self.trace.worker(rank)
-            computed = push.began + push.compute_s
+            computed = push.began + figures["compute_s"]
             last = self._answered.get(rank)
             if last is not None:  # from its last answer to this compute: waiting, loading
                 self.trace.span(track, "wait", last, push.began, clock=push.clock, ended="compute")

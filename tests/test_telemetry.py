@@ -145,3 +145,18 @@ def test_the_status_table_lines_up_and_marks_the_straggler() -> None:
                                          ((2, "barrier"), (3, "computing"), (4, "joining"))}
     wait_end = lines[1].index("wait") + len("wait")
     assert [line[wait_end - 3:wait_end] for line in lines[2:5]] == ["30%", " 2%", " 0%"]
+
+
+def test_insane_figures_from_a_peer_leave_the_metrics_and_trace_valid_json(tmp_path: Path) -> None:
+    metrics = Metrics(tmp_path / "m.jsonl", strategy="sync", workers=1)
+    watch = Watch(metrics, trace=tmp_path / "t.json")
+    push = Push(sender=0, version=0, clock=0, loss=1.0, samples=8, began=float("nan"),
+                compute_s=float("inf"), comm_s=float("nan"), wait_s=-1.0)
+    watch.pushed(0, push, 1000.0)
+    watch.close()
+    metrics.close(metrics.summary({}))
+    for line in (tmp_path / "m.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}"))
+    json.loads((tmp_path / "t.json").read_text(),
+               parse_constant=lambda c: pytest.fail(f"{c} in the trace"))
+    assert metrics.per_worker[0]["compute_s"] == 0.0 and metrics.per_worker[0]["comm_s"] == 0.0
