@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from run.local import launch_local
-from run.plot import plot as draw
 from run.options import RunOptions
+from run.plot import plot as draw
 
 SPEC = ROOT / "examples" / "fashion_mnist.py"
 RESULTS = ROOT / "benchmarks" / "results"

@@ -1,8 +1,10 @@
 """The wire format: a message to a list of sendable buffers, and the inverse.
 
 Frame 0 is a msgpack header: {"p": protocol, "k": kind, "s": sender, "r": request id,
-"v": version, "t": [[dtype, shape, nbytes], ...], "f": {the kind's own fields}}.
-Frames 1..n are the raw bytes of the message's flat tensors, in header order.
+"v": version, "t": [[dtype, shape, nbytes, chunk], ...], "f": {the kind's own fields}}.
+Then come the raw bytes of the message's flat tensors, in header order, each tensor cut into
+frames of `chunk` bytes (the last one shorter): ceil(nbytes / chunk) frames, at least one.
+ZeroMQ moves large tensors fastest as frames of about a megabyte (see `bus.pieces`).
 
 `decode` checks everything (sizes, types, kind, dtypes, byte counts, the model's layout)
 before it builds a single tensor, and raises a `WireError` subclass naming what is wrong.
@@ -12,7 +14,8 @@ Neither direction copies tensor bytes:
   `copy=False` and must not write those tensors until ZeroMQ is done with the frames
   (see `bus.buffers`).
 - `decode` returns tensors made by `torch.frombuffer` over the received frames; they share
-  the frames' memory and keep them alive for as long as they live.
+  the frames' memory and keep them alive for as long as they live. A tensor of more than
+  one frame comes back as `bus.pieces.Pieces`, one 1-D tensor a frame.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from bus.errors import (
 )
 from bus.layout import Layout
 from bus.messages import PROTOCOL_VERSION, SCHEMA, Kind, Message
+from bus.pieces import Pieces, Received
 
 # The dtypes a tensor frame may have; anything else is refused before it is read.
 DTYPES: Final[dict[str, torch.dtype]] = {
@@ -56,6 +60,11 @@ DTYPE_NAMES: Final[dict[torch.dtype, str]] = {v: k for k, v in DTYPES.items()}
 
 MAX_HEADER_BYTES: Final = 64 * 1024
 MAX_TENSORS: Final = 64
+# Frames of this size keep ZeroMQ over tcp near its best (benchmarks/bench.py, part a).
+CHUNK_BYTES: Final = 1 << 20
+# A peer may cut finer, but not so fine that a message becomes millions of frames.
+MIN_CHUNK_BYTES: Final = 4096
+MAX_FRAMES: Final = 1 << 16
 MAX_DIMS: Final = 8
 MAX_STRING: Final = 4096
 DEFAULT_MAX_MESSAGE_BYTES: Final = 4 << 30
@@ -65,19 +74,27 @@ _INT64_MAX: Final = 2**63 - 1
 Buffer = bytes | bytearray | memoryview
 
 
-def encode(message: Message) -> list[Buffer | np.ndarray]:
-    """Turn a message into frames: the header, then each tensor's bytes (not copied)."""
+def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES) -> list[Buffer | np.ndarray]:
+    """Turn a message into frames: the header, then each tensor's bytes in chunks (not copied)."""
     specs = []
     frames: list[Buffer | np.ndarray] = [b""]
     for tensor in message.tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"only tensors are sent, not {type(tensor).__name__}")
         name = DTYPE_NAMES.get(tensor.dtype)
         if name is None:
             raise DtypeError(str(tensor.dtype))
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("tensors on the wire must be contiguous CPU tensors")
-        specs.append([name, list(tensor.shape), tensor.numel() * tensor.element_size()])
-        flat = tensor.detach().reshape(-1)
-        frames.append(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+        nbytes = tensor.numel() * tensor.element_size()
+        # Whole elements in every chunk, so that each frame is a tensor of its own.
+        chunk = max(chunk_bytes // tensor.element_size(), 1) * tensor.element_size()
+        specs.append([name, list(tensor.shape), nbytes, chunk])
+        if not nbytes:
+            frames.append(b"")
+            continue
+        raw = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+        frames.extend(raw[i : i + chunk] for i in range(0, nbytes, chunk))
     _, own_fields = SCHEMA[message.KIND]
     header = {
         "p": PROTOCOL_VERSION,
@@ -126,21 +143,29 @@ def _decode(
     }
     values = _fields(header["f"], own_fields)
     specs = _tensor_specs(header["t"], cls.CARRIES_TENSORS)
-    if len(frames) - 1 != len(specs):
-        raise FrameCountError(len(specs), len(frames) - 1)
-    total = sum(nbytes for _, _, nbytes in specs)
+    total = sum(spec.nbytes for spec in specs)
     if total > max_bytes:
         raise MessageTooLargeError(total, max_bytes)
-    for i, ((_, _, nbytes), frame) in enumerate(zip(specs, frames[1:], strict=True)):
-        received = memoryview(frame).nbytes
-        if received != nbytes:
-            raise ByteLengthError(i, nbytes, nbytes, received)
+    expected = sum(spec.frames for spec in specs)
+    if expected > MAX_FRAMES:
+        raise MalformedHeaderError(f"{expected} tensor frames, at most {MAX_FRAMES}")
+    if len(frames) - 1 != expected:
+        raise FrameCountError(expected, len(frames) - 1)
+    first = 1
+    for i, spec in enumerate(specs):
+        for j, frame in enumerate(frames[first : first + spec.frames]):
+            received = memoryview(frame).nbytes
+            if received != spec.frame_bytes(j):
+                raise ByteLengthError(i, spec.nbytes, spec.frame_bytes(j), received)
+        first += spec.frames
     if layout is not None and cls.CARRIES_TENSORS and (specs or not cls.TENSORS_OPTIONAL):
-        layout.check([(dtype, shape) for dtype, shape, _ in specs])
-    tensors = tuple(
-        _tensor(frame, dtype, shape) for (dtype, shape, _), frame in zip(specs, frames[1:], strict=True)
-    )
-    return cls(**envelope, tensors=tensors, **values)
+        layout.check([(spec.dtype, spec.shape) for spec in specs])
+    tensors: list[Received] = []
+    first = 1
+    for spec in specs:
+        tensors.append(_tensor(frames[first : first + spec.frames], spec))
+        first += spec.frames
+    return cls(**envelope, tensors=tuple(tensors), **values)
 
 
 def _unpack_header(frame: Buffer) -> dict[str, Any]:
@@ -208,9 +233,20 @@ def _fields(raw: object, expected: dict[str, type]) -> dict[str, Any]:
     return values
 
 
-def _tensor_specs(
-    raw: object, carries_tensors: bool
-) -> list[tuple[torch.dtype, tuple[int, ...], int]]:
+class _Spec:
+    """One tensor's header entry, checked: its frames are `chunk` bytes each, the last shorter."""
+
+    __slots__ = ("chunk", "dtype", "frames", "nbytes", "shape")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, chunk: int) -> None:
+        self.dtype, self.shape, self.nbytes, self.chunk = dtype, shape, nbytes, chunk
+        self.frames = max(-(-nbytes // chunk), 1)
+
+    def frame_bytes(self, j: int) -> int:
+        return min(self.chunk, self.nbytes - j * self.chunk)
+
+
+def _tensor_specs(raw: object, carries_tensors: bool) -> list[_Spec]:
     if not isinstance(raw, list):
         raise MalformedHeaderError("tensor list is not an array")
     if raw and not carries_tensors:
@@ -219,9 +255,9 @@ def _tensor_specs(
         raise MalformedHeaderError(f"{len(raw)} tensors, at most {MAX_TENSORS}")
     specs = []
     for i, spec in enumerate(raw):
-        if not (isinstance(spec, list) and len(spec) == 3):
-            raise MalformedHeaderError(f"tensor {i}: spec must be [dtype, shape, nbytes]")
-        name, shape, nbytes = spec
+        if not (isinstance(spec, list) and len(spec) == 4):
+            raise MalformedHeaderError(f"tensor {i}: spec must be [dtype, shape, nbytes, chunk]")
+        name, shape, nbytes, chunk = spec
         if type(name) is not str or name not in DTYPES:
             raise DtypeError(name)
         dtype = DTYPES[name]
@@ -236,11 +272,19 @@ def _tensor_specs(
         expected = math.prod(shape) * dtype.itemsize
         if nbytes != expected:
             raise ByteLengthError(i, nbytes, expected, -1)
-        specs.append((dtype, tuple(shape), nbytes))
+        if (type(chunk) is not int or chunk % dtype.itemsize
+                or not (chunk >= MIN_CHUNK_BYTES or chunk >= nbytes > 0 or chunk == nbytes == 0)
+                or chunk > _INT64_MAX):
+            raise MalformedHeaderError(
+                f"tensor {i}: chunk of {quote(chunk)} bytes: a whole number of elements, at "
+                f"least {MIN_CHUNK_BYTES} bytes unless the tensor fits in one")
+        specs.append(_Spec(dtype, tuple(shape), nbytes, max(chunk, 1)))
     return specs
 
 
-def _tensor(frame: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if math.prod(shape) == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(frame, dtype=dtype).view(shape)
+def _tensor(frames: Sequence[Buffer], spec: _Spec) -> Received:
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    if len(frames) == 1:
+        return torch.frombuffer(frames[0], dtype=spec.dtype).view(spec.shape)
+    return Pieces([torch.frombuffer(f, dtype=spec.dtype) for f in frames], spec.shape)

@@ -3,7 +3,7 @@
 Every message shares an envelope (sender, request id, model version, tensors) and adds a few
 scalar fields of its own. Only `int`, `float`, `str` and `bool` fields exist, so that the
 codec can check every header field's type before anything is built from it. Tensors are flat
-buffers, one per dtype bucket of the model (see `bus.layout`).
+buffers, one per dtype bucket of the model (see `bus.layout`), cut into frames on the wire.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Final
 
-import torch
+from bus.pieces import Received
 
-PROTOCOL_VERSION: Final = 2  # 2: pushes carry telemetry, acks the time held
+PROTOCOL_VERSION: Final = 3  # 2: pushes carry telemetry, acks the time held; 3: chunked tensors
 
 
 def _build() -> str:
@@ -85,7 +85,8 @@ class Message:
     sender: int = COORDINATOR
     request: int = 0  # non-zero where a reply is expected; the reply echoes it
     version: int = 0  # the model version the payload or the statement refers to
-    tensors: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
+    # Sent: tensors. Received: tensors, or Pieces for those that came in several frames.
+    tensors: tuple[Received, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -70,14 +70,22 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-def _needs_tracking(frames: Frames) -> bool:
-    return any(memoryview(f).nbytes >= TRACK_ABOVE for f in frames)
-
-
 async def _send(socket: zmq.asyncio.Socket, frames: Frames) -> Tracker | None:
-    track = _needs_tracking(frames)
-    result = await socket.send_multipart(frames, copy=False, track=track)
-    return result if track else None
+    """Send large frames without copying them; the tracker is done once ZeroMQ has let go
+    of every one of them (None if all were small enough to copy)."""
+    parts: list[Any] = []
+    watched: list[zmq.Frame] = []
+    for f in frames:
+        if memoryview(f).nbytes >= TRACK_ABOVE:
+            # Each frame tracked: send_multipart's own tracker covers only the last frame,
+            # and a short last chunk is copied, so it would be "done" before the others are.
+            frame = zmq.Frame(f, copy=False, track=True)
+            watched.append(frame)
+            parts.append(frame)
+        else:
+            parts.append(f)
+    await socket.send_multipart(parts, copy=False)
+    return zmq.MessageTracker(*watched) if watched else None
 
 
 class ZmqServer:

@@ -41,6 +41,7 @@ from bus.messages import (
     Weights,
     Welcome,
 )
+from bus.pieces import Received, add_into, all_finite, copy_into
 from bus.transport import ZmqServer
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
@@ -79,6 +80,7 @@ class State(str, enum.Enum):
     STOPPED = "stopped"
 
 
+_DIVERGED_AFTER = 8  # non-finite updates in a row from every worker: the run has diverged
 _UNKNOWN_BUILD = "unknown"  # a build that cannot tell its release (or none said): not judged
 
 # A worker's reported phase, as the status table names it (a held push is "staleness").
@@ -101,7 +103,7 @@ class Progress:
 
 @dataclass
 class _Held:
-    tensors: tuple[torch.Tensor, ...]  # views into received frames; they keep the frames alive
+    tensors: tuple[Received, ...]  # views into received frames; they keep the frames alive
     loss: float
     samples: int
 
@@ -170,11 +172,14 @@ class Coordinator:
         self._next_eval_s = 0.0
         self._pool = SendBuffers(self.flat.layout.allocate)
         self._snapshot: _Snapshot | None = None
+        self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
+        self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
         self._max_bytes = self.flat.layout.nbytes + 65536
         self._server: ZmqServer | None = None
         self._done: asyncio.Future[None] | None = None
         self._started_at = 0.0
         self._stop_deadline = 0.0
+        self._not_finite: dict[int, int] = {}  # worker -> non-finite updates in a row
         self._errors: list[str] = []  # why workers left with an error, for the final message
         # Connections that left cleanly (their last beats are not refused), oldest first.
         self._departed: dict[bytes, None] = {}
@@ -231,6 +236,8 @@ class Coordinator:
             self.metrics.close()
             raise
         finally:
+            if self._later is not None:
+                tasks.append(self._later)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -405,12 +412,13 @@ class Coordinator:
         await self._send_weights(peer, welcome)
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
-        if not math.isfinite(message.loss) or not all(
-            t.isfinite().all() for t in message.tensors if t.is_floating_point()
-        ):
+        if not math.isfinite(message.loss) or not all(all_finite(t) for t in message.tensors):
             decisions: list[Decision] = [Drop(member.rank, message.version, DropReason.NOT_FINITE)]
-            log.warning("worker %d pushed a non-finite update on version %d", member.rank, message.version)
+            self._not_finite[member.rank] = self._not_finite.get(member.rank, 0) + 1
+            self._warn(peer, "not_finite", f"worker {member.rank} pushed a non-finite update "
+                                           f"on version {message.version}")
         else:
+            self._not_finite[member.rank] = 0
             decisions = self.strategy.handle(Arrived(member.rank, message.version, now))
             self.metrics.max_clock_gap = max(self.metrics.max_clock_gap, self.strategy.clock_gap())
         self.metrics.worker(member.rank)["pushes"] += 1
@@ -432,6 +440,13 @@ class Coordinator:
             # Answered before the step is taken, so that a worker that need not wait goes on.
             await self._answer(peer, member, message.request, decisions, now, push=True)
         await self._carry_out(decisions)
+        if self.state is State.TRAINING and all(
+                self._not_finite.get(m.rank, 0) >= _DIVERGED_AFTER for m in self._members):
+            # Every worker computes NaN again from the same weights: waiting will not mend it.
+            await self._fail(
+                f"training diverged: every worker's last {_DIVERGED_AFTER} updates were not "
+                f"finite (NaN or inf), at version {self.version}: lower --lr, or use a larger "
+                "--batch-size")
 
     async def _answer(
         self, peer: bytes, member: Member, request: int, decisions: list[Decision], now: float,
@@ -529,7 +544,7 @@ class Coordinator:
             return self.metrics.samples / self._target_samples
         return None
 
-    def _step(self, updates: list[tuple[torch.Tensor, ...]], scale: float) -> None:
+    def _step(self, updates: list[tuple[Received, ...]], scale: float) -> None:
         """Average the updates (in the given order) and take one step with the result.
 
         Gradients: their mean, times `scale`, goes into the gradient buffers and the
@@ -538,9 +553,9 @@ class Coordinator:
         """
         with torch.no_grad():
             for b, mean in enumerate(self.flat.grads):
-                mean.copy_(updates[0][b])
+                copy_into(mean, updates[0][b])  # read where they arrived: no copy before
                 for update in updates[1:]:
-                    mean.add_(update[b])
+                    add_into(mean, update[b])
                 if len(updates) > 1:
                     mean.div_(len(updates))
                 if scale != 1.0:
@@ -655,17 +670,45 @@ class Coordinator:
     # Sending -------------------------------------------------------------------------------
 
     async def _publish(self) -> None:
+        """Broadcast the version just made, or, while the last broadcast is still on its
+        way out, leave it to `_publish_later`: a worker loads the newest weights, never a
+        queue of old ones, so a version that is overtaken before it could go out need not
+        go (under async, updates can come faster than the PUB can send the model)."""
+        if self._broadcast is not None and not self._broadcast.done:
+            if self._later is None or self._later.done():
+                self._later = asyncio.create_task(self._guard(self._publish_later()))
+            return
+        await self._publish_now()
+
+    async def _publish_later(self) -> None:
+        delay = 0.0002
+        while self._broadcast is not None and not self._broadcast.done:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        async with self._step_lock:  # never copy weights that a step is writing
+            stopping = self.state in (State.STOPPING, State.STOPPED)
+            if not stopping and self._snapshot is not None and self._snapshot.version < self.version:
+                await self._publish_now()
+
+    async def _publish_now(self) -> None:
         """Copy the master weights into a free snapshot and broadcast it."""
         assert self._server is not None
-        buffers = self._pool.take()
-        with torch.no_grad():
-            for dst, src in zip(buffers, self.flat.weights, strict=True):
-                dst.copy_(src)
+        buffers = self._copy_weights()
         old, self._snapshot = self._snapshot, _Snapshot(self.version, buffers)
         if old is not None:
             self._pool.release(old.buffers, old.trackers)
         tracker = await self._server.publish(encode(Weights(version=self.version, tensors=buffers)))
         self._snapshot.trackers.append(tracker)
+        self._broadcast = tracker
+
+    def _copy_weights(self) -> tuple[torch.Tensor, ...]:
+        """The master weights copied into a snapshot buffer set from the pool (no allocation
+        once the pool holds free sets: tests/test_hot_path.py)."""
+        buffers = self._pool.take()
+        with torch.no_grad():
+            for dst, src in zip(buffers, self.flat.weights, strict=True):
+                dst.copy_(src)
+        return buffers
 
     async def _send_weights(self, peer: bytes, message: Welcome | Weights) -> None:
         snapshot = self._snapshot

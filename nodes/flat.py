@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from bus.layout import Layout
+from bus.pieces import Received, copy_into
 
 
 class FlatModel:
@@ -34,12 +35,12 @@ class FlatModel:
         for param, view in zip(self._params, self._grad_views, strict=True):
             param.grad = view
 
-    def load(self, weights: Sequence[torch.Tensor]) -> None:
-        """Overwrite the weights with received buffers (one copy per bucket)."""
+    def load(self, weights: Sequence[Received]) -> None:
+        """Overwrite the weights with received buffers (one copy, straight from the frames)."""
         self.layout.check([(t.dtype, tuple(t.shape)) for t in weights])
         with torch.no_grad():
             for dst, src in zip(self.weights, weights, strict=True):
-                dst.copy_(src)
+                copy_into(dst, src)
 
     def zero_grad(self) -> None:
         for g in self.grads:

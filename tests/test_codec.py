@@ -16,12 +16,15 @@ import pytest
 import torch
 
 from bus.codec import (
+    CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     DTYPES,
     MAX_DIMS,
+    MAX_FRAMES,
     MAX_HEADER_BYTES,
     MAX_STRING,
     MAX_TENSORS,
+    MIN_CHUNK_BYTES,
     decode,
     encode,
 )
@@ -55,6 +58,7 @@ from bus.messages import (
     Weights,
     Welcome,
 )
+from bus.pieces import Pieces, whole
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -190,7 +194,7 @@ def test_header_is_the_documented_map():
         "s": 3,
         "r": 13,
         "v": 7,
-        "t": [["float32", [6], 24], ["int64", [3], 24]],
+        "t": [["float32", [6], 24, CHUNK_BYTES], ["int64", [3], 24, CHUNK_BYTES]],
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
               "comm_s": 0.003, "wait_s": 0.01},
     }
@@ -238,7 +242,7 @@ def test_tensor_round_trip_is_bit_exact(kind, dtype_name, shape):
     )
     frames = encode(message)
     header = msgpack.unpackb(frames[0], raw=False)
-    assert header["t"] == [[dtype_name, list(shape), tensor.numel() * dtype.itemsize]]
+    assert header["t"] == [[dtype_name, list(shape), tensor.numel() * dtype.itemsize, CHUNK_BYTES]]
     decoded = decode(received(frames))
     assert decoded == message
     assert_same_tensors(decoded.tensors, (tensor,))
@@ -362,7 +366,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, -1, 255, "2", None, [2]])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, -1, 255, "3", None, [3]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
@@ -385,8 +389,8 @@ def test_missing_protocol_version():
 
 def test_other_protocol_is_told_its_version_even_if_the_rest_differs():
     with pytest.raises(ProtocolVersionError) as info:
-        decode([msgpack.packb({"p": 3, "kind": "push", "body": [1, 2]})])
-    assert (info.value.got, info.value.expected) == (3, PROTOCOL_VERSION)
+        decode([msgpack.packb({"p": 2, "kind": "push", "body": [1, 2]})])
+    assert (info.value.got, info.value.expected) == (2, PROTOCOL_VERSION)
 
 
 @pytest.mark.parametrize("version", [1.0, True], ids=["float", "bool"])
@@ -567,12 +571,13 @@ def test_tensor_count_at_the_limit_is_accepted():
 
 
 @pytest.mark.parametrize(
-    "spec", [["float32", [6]], ["float32", [6], 24, 0], "float32", {"d": "float32"}, None, []]
+    "spec", [["float32", [6], 24], ["float32", [6], 24, 4096, 0], "float32", {"d": "float32"},
+             None, []]
 )
-def test_tensor_spec_not_a_triple(spec):
+def test_tensor_spec_not_a_quadruple(spec):
     header, payload = split(two_tensor_push())
     header["t"][0] = spec
-    assert_malformed(repack(header, payload), "tensor 0: spec must be [dtype, shape, nbytes]")
+    assert_malformed(repack(header, payload), "tensor 0: spec must be [dtype, shape, nbytes, chunk]")
 
 
 @pytest.mark.parametrize(
@@ -689,7 +694,7 @@ def test_total_size_over_the_limit():
 def test_huge_declared_size_is_refused_before_frames_are_read():
     header, _ = split(two_tensor_push())
     size = 2**40 * 4
-    header["t"] = [["float32", [2**40], size], ["int64", [0], 0]]
+    header["t"] = [["float32", [2**40], size, CHUNK_BYTES], ["int64", [0], 0, CHUNK_BYTES]]
     with pytest.raises(MessageTooLargeError) as info:
         decode(repack(header, [bytearray(0), bytearray(0)]))
     assert (info.value.size, info.value.limit) == (size, DEFAULT_MAX_MESSAGE_BYTES)
@@ -824,3 +829,80 @@ def test_encode_accepts_a_tensor_that_requires_grad():
 def test_every_wire_error_is_a_wire_error_with_its_code(cls, code):
     assert issubclass(cls, WireError)
     assert cls.code is code
+
+
+# Chunks -------------------------------------------------------------------------------
+
+
+def _big(n: int = 5000) -> Weights:
+    """A float32 [n] and an int64 [3]: the first is cut into several chunks of 4096 bytes."""
+    return Weights(version=2, tensors=(torch.arange(n, dtype=torch.float32), torch.arange(3)))
+
+
+def test_a_large_tensor_travels_in_chunks_and_arrives_in_pieces():
+    frames = encode(_big(), chunk_bytes=MIN_CHUNK_BYTES)
+    header = msgpack.unpackb(frames[0], raw=False)
+    assert header["t"] == [["float32", [5000], 20000, 4096], ["int64", [3], 24, 4096]]
+    assert [memoryview(f).nbytes for f in frames[1:]] == [4096] * 4 + [3616, 24]
+    decoded = decode(received(frames))
+    big, small = decoded.tensors
+    assert isinstance(big, Pieces) and len(big.parts) == 5
+    assert (big.shape, big.dtype, big.numel()) == ((5000,), torch.float32, 5000)
+    assert torch.equal(whole(big), torch.arange(5000, dtype=torch.float32))
+    assert isinstance(small, torch.Tensor) and torch.equal(small, torch.arange(3))
+
+
+def test_chunks_hold_whole_elements_and_a_shaped_tensor_keeps_its_shape():
+    tensor = torch.arange(3 * 1000, dtype=torch.float64).view(3, 1000)
+    frames = encode(Weights(tensors=(tensor,)), chunk_bytes=5000)  # 625 float64
+    assert msgpack.unpackb(frames[0], raw=False)["t"][0][3] == 5000
+    got = decode(received(frames)).tensors[0]
+    assert got.shape == (3, 1000) and torch.equal(whole(got), tensor)
+
+
+def test_pieces_are_views_of_the_received_frames():
+    frames = received(encode(_big(), chunk_bytes=MIN_CHUNK_BYTES))
+    big = decode(frames).tensors[0]
+    frames[2][:4] = struct.pack("<f", -1.0)  # the second chunk's first element: 1024
+    assert big.parts[1][0].item() == -1.0
+
+
+@pytest.mark.parametrize("cut", [lambda fs: fs[:-2] + fs[-1:], lambda fs: [*fs, b"x"]],
+                         ids=["one-less", "one-more"])
+def test_a_chunk_missing_or_extra_is_refused(cut):
+    frames = received(encode(_big(), chunk_bytes=MIN_CHUNK_BYTES))
+    with pytest.raises(FrameCountError):
+        decode([frames[0], *cut(frames[1:])])
+
+
+def test_a_chunk_of_the_wrong_size_is_refused():
+    frames = received(encode(_big(), chunk_bytes=MIN_CHUNK_BYTES))
+    frames[1], frames[2] = frames[1][:-4], frames[2] + frames[1][-4:]  # same total, cut elsewhere
+    with pytest.raises(ByteLengthError):
+        decode(frames)
+
+
+@pytest.mark.parametrize("chunk", [4098, MIN_CHUNK_BYTES - 4, 0, -4096, 4096.0, "4096", None])
+def test_a_bad_chunk_size_is_refused(chunk):
+    header, payload = split(_big())
+    header["t"][0][3] = chunk
+    assert_malformed(repack(header, payload), "tensor 0: chunk of")
+
+
+def test_a_small_tensor_may_declare_a_chunk_below_the_minimum_if_it_fits():
+    header, payload = split(two_tensor_push())
+    header["t"][0][3] = 24  # float32 [2, 3]: 24 bytes, one frame
+    assert decode(repack(header, payload)) == two_tensor_push()
+
+
+def test_too_many_frames_are_refused_before_any_is_read():
+    header, _ = split(_big())
+    n = (MAX_FRAMES + 1) * MIN_CHUNK_BYTES // 4
+    header["t"] = [["float32", [n], n * 4, MIN_CHUNK_BYTES]]
+    assert_malformed(repack(header, []), f"{MAX_FRAMES + 1} tensor frames, at most {MAX_FRAMES}")
+
+
+def test_only_tensors_are_encoded():
+    big = decode(received(encode(_big(), chunk_bytes=MIN_CHUNK_BYTES))).tensors[0]
+    with pytest.raises(TypeError, match="only tensors are sent, not Pieces"):
+        encode(Weights(tensors=(big,)))

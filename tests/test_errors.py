@@ -119,6 +119,16 @@ def test_a_data_shard_empty_for_a_rank(tmp_path: Path) -> None:
         "a smaller --batch-size, or more data")
 
 
+def test_a_run_that_diverges_stops_with_what_to_change() -> None:
+    done = _tensorbus("local", DIGITS, "--workers", "2", "--lr", "1e30", "--threads", "1",
+                      "--no-progress")
+    assert done.returncode == 1
+    # Above it, the log's warnings and the same error as the coordinator logged it.
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tensorbus: error: training diverged: every worker's last 8 updates were not finite "
+        "(NaN or inf), at version 1: lower --lr, or use a larger --batch-size")
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A coordinator with keys for worker `alice`, waiting for a worker that never comes."""

@@ -1,0 +1,154 @@
+"""The speed benchmark: tensorbus against its baselines, side by side, in one run.
+
+    python benchmarks/bench.py            # 3 rounds, about 10 minutes on 2 cores
+    python benchmarks/bench.py --rounds 1 --quick
+
+Every round runs every case once, in the same order, so that a noisy neighbour slows all
+of them alike; each case's minimum and median over the rounds are reported, and each ratio
+is taken within a round, then its median over the rounds. The cases:
+
+(a) bus throughput for 1, 16 and 128 MB: tensorbus against raw pyzmq (one frame, 1 MB
+    frames) and memcpy (benchmarks/throughput.py);
+(b) a training step of the 1M- and 10M-parameter MLPs with 2 workers, batch 64 each,
+    against one process and PyTorch DDP on gloo (benchmarks/steps.py);
+(c) async updates per second for the 1M model, batch 1, against the naive
+    one-push-one-reply parameter server;
+(d) scaling: the 1M model's sync step with 1, 2 and 4 workers.
+
+It writes benchmarks/results/bench.json (every figure of every round) and bench.md (the
+tables the README shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch
+
+from benchmarks import steps, throughput
+
+RESULTS = ROOT / "benchmarks" / "results"
+MB = 1 << 20
+
+
+def cases(quick: bool) -> dict[str, Callable[[], float]]:
+    """Name -> a function measuring it once. Throughput in GB/s, steps in seconds, rates
+    in updates per second."""
+    n = 20 if quick else 60  # steps per timed run (a quarter of them warm-up)
+    table: dict[str, Callable[[], float]] = {}
+    for size in (1, 16, 128):
+        repeats = max(4, 256 // size) if quick else max(8, 1024 // size)
+        table[f"a/{size}MB/memcpy"] = lambda s=size, r=repeats: throughput.memcpy(s * MB, r)
+        table[f"a/{size}MB/zmq-1frame"] = lambda s=size, r=repeats: throughput.raw_zmq(s * MB, r, chunk=None)
+        table[f"a/{size}MB/zmq-chunked"] = lambda s=size, r=repeats: throughput.raw_zmq(s * MB, r, chunk=throughput.CHUNK)
+        table[f"a/{size}MB/tensorbus"] = lambda s=size, r=repeats: throughput.tensorbus(s * MB, r)
+    for params in ("1M", "10M"):
+        k = n if params == "10M" else 4 * n
+        table[f"b/{params}/single"] = lambda p=params, k=k: steps.single(p, k)
+        table[f"b/{params}/ddp"] = lambda p=params, k=k: steps.ddp(p, k)
+        table[f"b/{params}/tensorbus-sync"] = lambda p=params, k=k: steps.tensorbus_sync(p, k)
+    pushes = 200 if quick else 600
+    table["c/1M/naive-ps"] = lambda: steps.naive_ps("1M", pushes // 2)
+    table["c/1M/tensorbus-async"] = lambda: steps.tensorbus_async("1M", pushes)
+    for workers in (1, 2, 4):
+        table[f"d/1M/tensorbus-sync-{workers}w"] = lambda w=workers: steps.tensorbus_sync("1M", 4 * n, w)
+        table[f"d/1M/ddp-{workers}w"] = lambda w=workers: steps.ddp("1M", 4 * n, w)
+    return table
+
+
+RATIOS = {  # name -> (numerator, denominator, what it says)
+    "b/1M: tensorbus sync / DDP": ("b/1M/tensorbus-sync", "b/1M/ddp", "step time; <= 1.1 wanted"),
+    "b/10M: tensorbus sync / DDP": ("b/10M/tensorbus-sync", "b/10M/ddp", "step time; <= 1.0 wanted"),
+    "b/1M: DDP / single": ("b/1M/ddp", "b/1M/single", "what DDP itself costs"),
+    "b/10M: DDP / single": ("b/10M/ddp", "b/10M/single", "what DDP itself costs"),
+    "a/128MB: tensorbus / zmq chunked": ("a/128MB/tensorbus", "a/128MB/zmq-chunked", ">= 0.8 wanted"),
+    "a/128MB: tensorbus / zmq one frame": ("a/128MB/tensorbus", "a/128MB/zmq-1frame", ">= 2.5 wanted"),
+    "a/16MB: tensorbus / zmq chunked": ("a/16MB/tensorbus", "a/16MB/zmq-chunked", ""),
+    "a/1MB: tensorbus / zmq chunked": ("a/1MB/tensorbus", "a/1MB/zmq-chunked", ""),
+    "c/1M: tensorbus async / naive PS": ("c/1M/tensorbus-async", "c/1M/naive-ps", "updates/s; >= 4 wanted"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test)")
+    parser.add_argument("--only", default="", help="run only cases whose name starts so (a, b/10M, ...)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    table = {k: f for k, f in cases(args.quick).items() if k.startswith(args.only)}
+    rounds: list[dict[str, float]] = []
+    started = time.monotonic()
+    for r in range(args.rounds):
+        figures: dict[str, float] = {}
+        for name, measure in table.items():
+            figures[name] = measure()
+            print(f"round {r + 1}/{args.rounds} {name}: {figures[name]:.4g}", flush=True)
+        rounds.append(figures)
+    report = summarize(rounds, time.monotonic() - started, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "bench.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def summarize(rounds: list[dict[str, float]], seconds: float, args: argparse.Namespace) -> dict:
+    per_case: dict[str, list[float]] = defaultdict(list)
+    for figures in rounds:
+        for name, value in figures.items():
+            per_case[name].append(value)
+    ratios = {}
+    for label, (num, den, note) in RATIOS.items():
+        values = [f[num] / f[den] for f in rounds if num in f and den in f]
+        if values:
+            ratios[label] = {"median": statistics.median(values), "min": min(values),
+                             "max": max(values), "note": note}
+    return {
+        "command": "python benchmarks/bench.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
+                   + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else ""),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} cores seen by torch, "
+                   f"Python {platform.python_version()}, torch {torch.__version__}",
+        "seconds": round(seconds, 1),
+        "rounds": rounds,
+        "cases": {k: {"min": min(v), "median": statistics.median(v), "max": max(v)}
+                  for k, v in per_case.items()},
+        "ratios": ratios,
+    }
+
+
+def markdown(report: dict) -> str:
+    cases_ = report["cases"]
+    lines = [(f"`{report['command']}` ({report['machine']}; {len(report['rounds'])} rounds, "
+             f"{report['seconds']:.0f} s)"), ""]
+
+    def unit(name: str) -> tuple[str, float]:
+        if name.startswith("a/"):
+            return "GB/s", 1.0
+        if name.startswith("c/"):
+            return "updates/s", 1.0
+        return "ms", 1000.0
+
+    lines += ["| case | min | median | max | unit |", "|---|---:|---:|---:|---|"]
+    for name, c in cases_.items():
+        u, scale = unit(name)
+        lines.append(f"| {name} | {c['min'] * scale:.3g} | {c['median'] * scale:.3g} | "
+                     f"{c['max'] * scale:.3g} | {u} |")
+    lines += ["", "| ratio (same round) | median | min | max | note |", "|---|---:|---:|---:|---|"]
+    for label, r in report["ratios"].items():
+        lines.append(f"| {label} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Parts (b), (c) and (d) of the benchmark: training steps and pushes, against baselines.
+
+Every contender trains `benchmarks/mlp.py` (BENCH_PARAMS=1M or 10M) with one torch thread
+per process, on this machine, in its own processes:
+
+- `single`: one process, batch 64: the work with no communication at all.
+- `ddp`: PyTorch DistributedDataParallel on gloo, 2 processes, batch 64 each.
+- `tensorbus_sync`: `tensorbus local ... --strategy sync`, batch 64 per worker.
+- `tensorbus_async`: `tensorbus local ... --strategy async --batch-size 1`: pushes per second
+  when communication, not compute, is what limits.
+- `naive_ps`: the one-push-one-reply parameter server (the Ray actor pattern) in raw
+  pyzmq: each worker sends its gradient, the server applies it and replies with a copy of
+  the weights, the worker loads them and computes again; same model, batch 1, 2 workers.
+
+A step time is the median of the per-step times after the first quarter (warm-up).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from benchmarks import mlp
+from benchmarks.throughput import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = str(ROOT / "benchmarks" / "mlp.py")
+BATCH = 64
+
+
+def _steady(times: list[float]) -> float:
+    return statistics.median(times[len(times) // 4 :])
+
+
+def _train_steps(model: torch.nn.Module, steps: int, rank: int, world: int,
+                 batch: int = BATCH) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = mlp.images()
+    times = []
+    for i in range(steps):
+        started = time.perf_counter()
+        at = ((i * world + rank) * batch) % (len(x) - batch)
+        optimizer.zero_grad()
+        mlp.loss(model(x[at : at + batch]), y[at : at + batch]).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _single(params: str, steps: int, out: Any) -> None:
+    os.environ["BENCH_PARAMS"] = params
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    out.put(_train_steps(mlp.model(), steps, 0, 1))
+
+
+def single(params: str, steps: int) -> float:
+    """Seconds per step of one process, batch 64."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_single, args=(params, steps, queue))
+    process.start()
+    times = queue.get(timeout=600)
+    process.join(60)
+    return _steady(times)
+
+
+def _ddp(rank: int, world: int, port: int, params: str, steps: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(BENCH_PARAMS=params, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(mlp.model())
+        times = _train_steps(model, steps, rank, world)
+        if rank == 0:
+            out.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp(params: str, steps: int, workers: int = 2) -> float:
+    """Seconds per step of DDP on gloo, batch 64 per process."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_ddp, args=(r, workers, port, params, steps, queue))
+                 for r in range(workers)]
+    for p in processes:
+        p.start()
+    try:
+        times = queue.get(timeout=600)
+    finally:
+        for p in processes:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return _steady(times)
+
+
+def _tensorbus(params: str, workers: int, strategy: str, steps: int, *extra: str) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        command = [sys.executable, "-m", "run", "local", SPEC, "--workers", str(workers),
+                   "--strategy", strategy, "--steps", str(steps), "--threads", "1",
+                   "--metrics", str(metrics), "--no-progress", "--log-level", "error", *extra]
+        env = {**os.environ, "BENCH_PARAMS": params}
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def tensorbus_sync(params: str, steps: int, workers: int = 2) -> float:
+    """Seconds per version of `tensorbus local --strategy sync`, batch 64 per worker."""
+    records = _tensorbus(params, workers, "sync", steps)
+    at = [r["train_s"] for r in records if r["event"] == "step"]
+    return _steady([b - a for a, b in itertools.pairwise(at)])
+
+
+def tensorbus_async(params: str, pushes: int, workers: int = 2) -> float:
+    """Updates applied per second by `tensorbus local --strategy async`, batch 1."""
+    records = _tensorbus(params, workers, "async", pushes, "--batch-size", "1", "--lr", "0.01")
+    steps = [r["train_s"] for r in records if r["event"] == "step"]
+    steady = steps[len(steps) // 4 :]
+    return (len(steady) - 1) / (steady[-1] - steady[0])
+
+
+def _naive_server(port: int, params: str, pushes: int) -> None:
+    os.environ["BENCH_PARAMS"] = params
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    weights = torch.cat([p.detach().reshape(-1) for p in mlp.model().parameters()])
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    for _ in range(pushes):
+        peer, gradient = router.recv_multipart(copy=False)
+        weights.add_(torch.frombuffer(gradient.buffer, dtype=torch.float32), alpha=-0.01)
+        router.send_multipart([peer, weights.numpy()], copy=True)  # a copy, as an actor returns
+    context.destroy(linger=1000)
+
+
+def _naive_worker(port: int, params: str, pushes: int, rank: int, out: Any) -> None:
+    os.environ["BENCH_PARAMS"] = params
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = mlp.model()
+    x, y = mlp.images()
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    out.put("ready")  # connected: the server takes pushes as they come
+    times = []
+    for i in range(pushes):
+        model.zero_grad()
+        at = (i * 2 + rank) % len(x)
+        mlp.loss(model(x[at : at + 1]), y[at : at + 1]).backward()
+        gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dealer.send(gradient.numpy(), copy=False)
+        weights = torch.frombuffer(dealer.recv(copy=False).buffer, dtype=torch.float32)
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(weights, model.parameters())
+        times.append(time.perf_counter())
+    out.put(times)
+    context.destroy(linger=0)
+
+
+def naive_ps(params: str, pushes: int, workers: int = 2) -> float:
+    """Updates applied per second by the one-push-one-reply parameter server."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    server = context.Process(target=_naive_server, args=(port, params, pushes * workers))
+    processes = [context.Process(target=_naive_worker, args=(port, params, pushes, r, queue))
+                 for r in range(workers)]
+    server.start()
+    for p in processes:
+        p.start()
+    try:
+        got = [queue.get(timeout=600) for _ in range(2 * workers)]  # "ready", then the times
+        stamps = sorted(t for item in got if isinstance(item, list) for t in item)
+    finally:
+        for p in (*processes, server):
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    steady = stamps[len(stamps) // 4 :]
+    return (len(steady) - 1) / (steady[-1] - steady[0])

@@ -1,0 +1,170 @@
+"""Part (a) of the benchmark: how fast a tensor crosses from one process to another.
+
+Four ways to move SIZE bytes, each timed the same way (the sender sends REPEATS copies,
+the receiver answers once it has all of them, the clock runs from the first send to that
+answer), so that their ratios compare like with like:
+
+- `memcpy`: `copy_` into a warm buffer in one process: what the memory can do.
+- `zmq-1frame`: raw pyzmq, the tensor as one zero-copy frame (PUSH -> PULL over tcp).
+- `zmq-chunked`: raw pyzmq, the tensor as 1 MB zero-copy frames.
+- `tensorbus`: the bus itself: a Push through `bus.codec` and `bus.transport`
+  (`ZmqClient` -> `ZmqServer`), decoded on arrival, every frame checked.
+
+Each returns GB/s (10^9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+CHUNK = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def memcpy(size: int, repeats: int) -> float:
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.empty(size, dtype=torch.uint8)
+    dst.copy_(src)  # warm: every page of both is mapped before the clock starts
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    return size * repeats / (time.perf_counter() - started) / 1e9
+
+
+def _raw_receiver(port: int, repeats: int) -> None:
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    done = context.socket(zmq.PUSH)
+    done.connect(f"tcp://127.0.0.1:{port + 1}")
+    pull.recv_multipart(copy=False)  # the warm-up
+    done.send(b"ready")
+    for _ in range(repeats):
+        pull.recv_multipart(copy=False)
+    done.send(b"done")
+    context.destroy(linger=1000)
+
+
+def raw_zmq(size: int, repeats: int, *, chunk: int | None) -> float:
+    """Raw pyzmq PUSH -> PULL, zero-copy, one frame or `chunk`-byte frames."""
+    port = _two_ports()
+    receiver = mp.get_context("spawn").Process(target=_raw_receiver, args=(port, repeats))
+    receiver.start()
+    context = zmq.Context()
+    try:
+        push = context.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        done = context.socket(zmq.PULL)
+        done.bind(f"tcp://127.0.0.1:{port + 1}")
+        data = np.ones(size, dtype=np.uint8)
+        step = chunk or size
+        frames = [data[i : i + step] for i in range(0, size, step)]
+        push.send_multipart(frames, copy=False)
+        done.recv()  # the warm-up landed: the receiver is up
+        started = time.perf_counter()
+        for _ in range(repeats):
+            push.send_multipart(frames, copy=False)
+        done.recv()
+        return size * repeats / (time.perf_counter() - started) / 1e9
+    finally:
+        context.destroy(linger=0)
+        receiver.join(30)
+
+
+def _bus_receiver(port: int, size: int, repeats: int) -> None:
+    from bus.codec import decode
+    from bus.transport import ZmqServer, new_event_loop
+
+    async def main() -> None:
+        server = ZmqServer(f"tcp://127.0.0.1:{port}", max_message_bytes=size + 65536,
+                           pub_port=port + 2)
+        context = zmq.Context()
+        done = context.socket(zmq.PUSH)
+        done.connect(f"tcp://127.0.0.1:{port + 1}")
+        try:
+            decode((await server.recv())[1])  # the warm-up
+            done.send(b"ready")
+            for _ in range(repeats):
+                decode((await server.recv())[1])  # let go at once, as raw pyzmq's receiver
+            done.send(b"done")
+        finally:
+            context.destroy(linger=1000)
+            server.close()
+
+    new_event_loop().run_until_complete(main())
+
+
+def tensorbus(size: int, repeats: int) -> float:
+    """A Push of one float32 tensor of `size` bytes, through the bus's codec and sockets."""
+    from bus.codec import encode
+    from bus.messages import Push
+    from bus.transport import ZmqClient, new_event_loop
+
+    port = _two_ports(3)
+    receiver = mp.get_context("spawn").Process(target=_bus_receiver, args=(port, size, repeats))
+    receiver.start()
+    tensor = torch.ones(size // 4, dtype=torch.float32)
+
+    async def main() -> float:
+        client = ZmqClient(f"tcp://127.0.0.1:{port}", max_message_bytes=size + 65536)
+        context = zmq.Context()
+        done = context.socket(zmq.PULL)
+        done.bind(f"tcp://127.0.0.1:{port + 1}")
+        try:
+            push = Push(clock=0, loss=0.0, samples=1, tensors=(tensor,))
+            await client.send(encode(push))
+            await asyncio.to_thread(done.recv)  # the warm-up landed: the receiver is up
+            started = time.perf_counter()
+            for _ in range(repeats):
+                await client.send(encode(push))
+            await asyncio.to_thread(done.recv)
+            return size * repeats / (time.perf_counter() - started) / 1e9
+        finally:
+            context.destroy(linger=0)
+            client.close()
+
+    try:
+        return new_event_loop().run_until_complete(main())
+    finally:
+        receiver.join(30)
+
+
+def _two_ports(n: int = 2) -> int:
+    """A port whose next n-1 ports are free too (tried, not guaranteed)."""
+    for _ in range(100):
+        port = free_port()
+        if port + n < 65536 and all(_is_free(port + i) for i in range(1, n)):
+            return port
+    raise OSError("no run of free ports on loopback")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def measure(size: int, repeats: int) -> dict[str, Any]:
+    """Every way, for one size: GB/s by name."""
+    return {
+        "memcpy": memcpy(size, repeats),
+        "zmq-1frame": raw_zmq(size, repeats, chunk=None),
+        "zmq-chunked": raw_zmq(size, repeats, chunk=CHUNK),
+        "tensorbus": tensorbus(size, repeats),
+    }

@@ -1,0 +1,113 @@
+"""The hot path allocates no gradient-sized buffer per step, on the worker or the coordinator.
+
+Every torch operation is watched (a TorchDispatchMode) while the real code of one training
+step runs, bytes moving through real ZeroMQ sockets on loopback:
+
+- worker: zero the flat gradient, gather it after backward, encode the Push, send it;
+  receive the next Weights, decode them, load them into the model;
+- coordinator: receive and decode the Push, check it is finite, average it into the
+  gradient buffer, step the optimizer (SGD with momentum), copy the weights into a snapshot
+  from the pool and encode it for broadcast.
+
+The first steps may allocate (the optimizer's momentum, the pool's snapshot sets); after
+them, no operation may create storage of 64 KiB or more. Forward and backward are the
+model's own business (autograd allocates each parameter's new gradient before adding it
+into `.grad`) and run outside the watch. Received frames are libzmq's: chunks of
+`CHUNK_BYTES`, allocated by libzmq's malloc, which reuses them; they are not torch storage.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zmq
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from bus.codec import CHUNK_BYTES, decode, encode
+from bus.messages import Push, Weights
+from bus.pieces import Pieces, all_finite
+from nodes import Coordinator, CoordinatorConfig
+from nodes.flat import FlatModel
+from strategies import Sync
+
+pytestmark = pytest.mark.timeout(60)
+
+AT_LEAST = 64 * 1024  # a parameter of this model is 1 MB, its gradient buffer 2.1 MB
+
+
+class Allocations(TorchDispatchMode):
+    """Records every operation whose output has storage of AT_LEAST bytes that none of its
+    inputs had: a new buffer, not a view or an in-place result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        had = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.nbytes() >= AT_LEAST and storage.data_ptr() not in had:
+                    self.seen.append((str(func), storage.nbytes()))
+        return out
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+
+
+def test_the_watch_sees_an_allocation() -> None:
+    """The check can fail: a fresh gradient-sized tensor is seen."""
+    grads = FlatModel(model()).grads
+    with Allocations() as watch:
+        _ = grads[0] * 2
+    assert watch.seen and watch.seen[0][1] == grads[0].numel() * 4
+
+
+def test_no_step_after_the_first_allocates_a_gradient_sized_buffer() -> None:
+    worker = FlatModel(model())
+    coordinator = Coordinator(
+        model=model(), strategy=Sync(workers=1),
+        config=CoordinatorConfig(batch_size=8, steps=100),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    )
+    layout = worker.layout
+    assert layout.nbytes > 2 * CHUNK_BYTES  # so that tensors travel in several frames
+    x, y = torch.randn(8, 512), torch.randn(8, 512)
+    context = zmq.Context()
+    try:
+        up, down = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+        port = up.bind_to_random_port("tcp://127.0.0.1")
+        down.connect(f"tcp://127.0.0.1:{port}")
+        for step in range(6):
+            worker.module.zero_grad(set_to_none=False)
+            nn.functional.mse_loss(worker.module(x), y).backward()  # the model's own work
+            with Allocations() as watch:
+                worker.gather_grads()
+                up.send_multipart(encode(Push(clock=step, loss=1.0, samples=8,
+                                              tensors=worker.grads)), copy=False)
+                push = decode(down.recv_multipart(copy=False), layout=layout)
+                assert isinstance(push.tensors[0], Pieces)
+                assert all(all_finite(t) for t in push.tensors)
+                coordinator._step([push.tensors], 1.0)
+                snapshot = coordinator._copy_weights()
+                down.send_multipart(encode(Weights(version=step + 1, tensors=snapshot)), copy=False)
+                weights = decode(up.recv_multipart(copy=False), layout=layout)
+                worker.load(weights.tensors)
+                coordinator._pool.release(snapshot, [])
+                worker.zero_grad()
+            if step == 0:  # the momentum buffers and a snapshot set are made: seen
+                assert {nbytes for _, nbytes in watch.seen} >= {512 * 512 * 4, layout.nbytes}
+            if step >= 2:  # they exist by now
+                assert watch.seen == [], f"step {step} allocated {watch.seen}"
+        # And the step did what it should: the worker holds the coordinator's weights.
+        assert all(torch.equal(a, b) for a, b in zip(worker.weights, coordinator.flat.weights,
+                                                     strict=True))
+    finally:
+        context.destroy(linger=0)

@@ -1,0 +1,73 @@
+"""Unit tests of `bus.pieces`: a tensor received in several frames, used where it lies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bus.pieces import Pieces, add_into, all_finite, copy_into, spans, whole
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def _pieces(values: torch.Tensor, cuts: list[int], shape: tuple[int, ...] | None = None) -> Pieces:
+    parts, at = [], 0
+    for cut in [*cuts, values.numel()]:
+        parts.append(values[at:cut].clone())
+        at = cut
+    return Pieces(parts, shape or (values.numel(),))
+
+
+def test_spans_cover_the_tensor_in_order_with_offsets() -> None:
+    p = _pieces(torch.arange(10.0), [3, 7])
+    assert [(o, t.tolist()) for o, t in spans(p)] == [(0, [0, 1, 2]), (3, [3, 4, 5, 6]), (7, [7, 8, 9])]
+    plain = torch.arange(6.0).view(2, 3)
+    assert [(o, t.shape) for o, t in spans(plain)] == [(0, (6,))]
+
+
+def test_whole_joins_and_keeps_the_shape() -> None:
+    p = _pieces(torch.arange(12.0), [5], shape=(3, 4))
+    assert torch.equal(whole(p), torch.arange(12.0).view(3, 4))
+    t = torch.ones(2)
+    assert whole(t) is t
+
+
+def test_copy_and_add_into_a_flat_buffer() -> None:
+    values = torch.arange(10.0)
+    p = _pieces(values, [4])
+    flat = torch.full((10,), 7.0)
+    copy_into(flat, p)
+    assert torch.equal(flat, values)
+    add_into(flat, p)
+    assert torch.equal(flat, 2 * values)
+
+
+def test_a_narrower_dtype_adds_into_float32() -> None:
+    flat = torch.zeros(6)
+    add_into(flat, _pieces(torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5, 5.5], dtype=torch.bfloat16), [2]))
+    assert flat.tolist() == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 5, 9])
+def test_all_finite_finds_a_bad_element_in_any_piece(bad: float, where: int) -> None:
+    values = torch.arange(10.0)
+    values[where] = bad
+    assert not all_finite(_pieces(values, [3, 7]))
+    assert not all_finite(values)
+
+
+def test_all_finite_is_not_fooled_by_a_sum_that_overflows() -> None:
+    big = torch.full((8,), 60000.0, dtype=torch.float16)  # finite, but sums past fp16's max
+    assert not math.isfinite(float(big.sum()))
+    assert all_finite(big) and all_finite(_pieces(big, [3]))
+    assert all_finite(torch.tensor([1, 2, 3]))  # integers are always finite
+
+
+def test_pieces_must_add_up_to_the_shape() -> None:
+    with pytest.raises(ValueError, match="pieces of 5 elements for shape"):
+        Pieces([torch.ones(2), torch.ones(3)], (6,))
+    with pytest.raises(ValueError, match="at least one piece"):
+        Pieces([], (0,))
