@@ -58,6 +58,8 @@ def cases(quick: bool) -> dict[str, Callable[[], float]]:
         table[f"b/{params}/single"] = lambda p=params, k=k: steps.single(p, k)
         table[f"b/{params}/ddp"] = lambda p=params, k=k: steps.ddp(p, k)
         table[f"b/{params}/tensorbus-sync"] = lambda p=params, k=k: steps.tensorbus_sync(p, k)
+        table[f"b/{params}/tensorbus-sync-bf16"] = lambda p=params, k=k: steps.tensorbus_sync(
+            p, k, compress="bf16")
     pushes = 200 if quick else 600
     table["c/1M/naive-ps"] = lambda: steps.naive_ps("1M", pushes // 2)
     table["c/1M/tensorbus-async"] = lambda: steps.tensorbus_async("1M", pushes)
@@ -70,6 +72,8 @@ def cases(quick: bool) -> dict[str, Callable[[], float]]:
 RATIOS = {  # name -> (numerator, denominator, what it says)
     "b/1M: tensorbus sync / DDP": ("b/1M/tensorbus-sync", "b/1M/ddp", "step time; <= 1.1 wanted"),
     "b/10M: tensorbus sync / DDP": ("b/10M/tensorbus-sync", "b/10M/ddp", "step time; <= 1.0 wanted"),
+    "b/1M: tensorbus sync bf16 / DDP": ("b/1M/tensorbus-sync-bf16", "b/1M/ddp", "--compress bf16"),
+    "b/10M: tensorbus sync bf16 / DDP": ("b/10M/tensorbus-sync-bf16", "b/10M/ddp", "--compress bf16"),
     "b/1M: DDP / single": ("b/1M/ddp", "b/1M/single", "what DDP itself costs"),
     "b/10M: DDP / single": ("b/10M/ddp", "b/10M/single", "what DDP itself costs"),
     "a/128MB: tensorbus / zmq chunked": ("a/128MB/tensorbus", "a/128MB/zmq-chunked", ">= 0.8 wanted"),

@@ -126,9 +126,10 @@ def _tensorbus(params: str, workers: int, strategy: str, steps: int, *extra: str
         return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def tensorbus_sync(params: str, steps: int, workers: int = 2) -> float:
+def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = "") -> float:
     """Seconds per version of `tensorbus local --strategy sync`, batch 64 per worker."""
-    records = _tensorbus(params, workers, "sync", steps)
+    records = _tensorbus(params, workers, "sync", steps,
+                         *(["--compress", compress] if compress else []))
     at = [r["train_s"] for r in records if r["event"] == "step"]
     return _steady([b - a for a, b in itertools.pairwise(at)])
 

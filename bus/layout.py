@@ -15,6 +15,9 @@ import torch
 
 from bus.errors import LayoutError
 
+# --compress: the dtype float gradients travel in (the coordinator adds them into fp32).
+COMPRESSION: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -63,6 +66,14 @@ class Layout:
     def digest(self) -> str:
         text = ";".join(f"{e.name}:{e.dtype}:{list(e.shape)}" for e in self.entries)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def on_wire(self, dtype: torch.dtype | None) -> Layout:
+        """This layout as it travels when float buckets are sent as `dtype` (None: as is).
+        Same entries and digest: only what the codec checks the frames against changes."""
+        if dtype is None:
+            return self
+        return Layout(self.entries, tuple(
+            Bucket(dtype if b.dtype.is_floating_point else b.dtype, b.numel) for b in self.buckets))
 
     def allocate(self) -> tuple[torch.Tensor, ...]:
         """Fresh zeroed flat buffers, one per bucket."""

@@ -34,8 +34,13 @@ class CoordinatorConfig:
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir, if any
     keys: ServerKeys | None = None  # CURVE: encrypt, and admit only the authorized workers
     trace: Path | None = None  # write a Chrome trace-event timeline of the run here
+    # Workers push float gradients as bf16 or fp16 (half the bytes); the coordinator keeps
+    # fp32 master weights and broadcasts them as they are. "": no compression.
+    compress: str = ""
 
     def __post_init__(self) -> None:
+        if self.compress not in ("", "bf16", "fp16"):
+            raise ValueError(f"compress must be bf16 or fp16, got {self.compress!r}")
         if self.max_workers is not None and self.max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {self.max_workers}")
         if self.min_workers < 1:

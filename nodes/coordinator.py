@@ -24,6 +24,7 @@ from torch import nn
 from bus.buffers import SendBuffers, Tracker
 from bus.codec import decode, encode
 from bus.errors import WireError
+from bus.layout import COMPRESSION
 from bus.messages import (
     BUILD,
     Ack,
@@ -160,6 +161,11 @@ class Coordinator:
         self.state = State.STARTING
         self._evaluate = evaluate
         self._on_step = on_step
+        if config.compress and self._weights_pushed:
+            raise ValueError(f"compress applies to pushed gradients, and {strategy.name} pushes "
+                             "weights: drop it, or choose a strategy that pushes gradients")
+        # What pushes must look like: the model's layout, in the compressed dtype if asked.
+        self._wire_layout = self.flat.layout.on_wire(COMPRESSION.get(config.compress))
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -314,7 +320,7 @@ class Coordinator:
         while True:
             peer, frames = await self._server.recv()
             try:
-                message = decode(frames, max_bytes=self._max_bytes, layout=self.flat.layout)
+                message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout)
             except WireError as e:
                 self.metrics.rejected[e.code.value] += 1
                 self._warn(peer, e.code.value, f"rejected a message from {self._name(peer)}: {e}")
@@ -360,6 +366,7 @@ class Coordinator:
                 member.version = max(member.version, message.version)
                 await self._push(peer, member, message, now)
             case Pull(version=have):
+                await self._refresh_snapshot()
                 if self._snapshot is not None and have >= self._snapshot.version:
                     # Nothing newer: say so without resending the model.
                     await self._reply(peer, Weights(request=message.request, version=self.version))
@@ -407,8 +414,9 @@ class Coordinator:
             strategy=self.strategy.name, push=rhythm.push.value, local_steps=rhythm.local_steps,
             wait=rhythm.wait.value, batch_size=self.config.batch_size, pub_port=self._pub_port(),
             heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,
-            position=self._positions.get(admitted.rank, 0),
+            position=self._positions.get(admitted.rank, 0), compress=self.config.compress,
         )
+        await self._refresh_snapshot()
         await self._send_weights(peer, welcome)
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
@@ -681,8 +689,11 @@ class Coordinator:
         await self._publish_now()
 
     async def _publish_later(self) -> None:
-        delay = 0.0002
-        while self._broadcast is not None and not self._broadcast.done:
+        # Not for longer than a heartbeat: a stopped subscriber's queue may hold the last
+        # broadcast until the PUB drops it, and the others must not wait on that.
+        delay, until = 0.0002, time.monotonic() + self.config.heartbeat_s
+        while (self._broadcast is not None and not self._broadcast.done
+               and time.monotonic() < until):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.005)
         async with self._step_lock:  # never copy weights that a step is writing
@@ -693,13 +704,26 @@ class Coordinator:
     async def _publish_now(self) -> None:
         """Copy the master weights into a free snapshot and broadcast it."""
         assert self._server is not None
-        buffers = self._copy_weights()
-        old, self._snapshot = self._snapshot, _Snapshot(self.version, buffers)
+        snapshot = self._take_snapshot()
+        tracker = await self._server.publish(encode(Weights(version=snapshot.version,
+                                                            tensors=snapshot.buffers)))
+        snapshot.trackers.append(tracker)
+        self._broadcast = tracker
+
+    def _take_snapshot(self) -> _Snapshot:
+        """The current weights become the snapshot that Welcome, Pull and broadcasts send."""
+        old, self._snapshot = self._snapshot, _Snapshot(self.version, self._copy_weights())
         if old is not None:
             self._pool.release(old.buffers, old.trackers)
-        tracker = await self._server.publish(encode(Weights(version=self.version, tensors=buffers)))
-        self._snapshot.trackers.append(tracker)
-        self._broadcast = tracker
+        return self._snapshot
+
+    async def _refresh_snapshot(self) -> None:
+        """Make the snapshot current where a broadcast is waiting (see `_publish`), so that
+        a Pull or a Welcome gets the newest version, not the one still on its way out."""
+        if self._snapshot is not None and self._snapshot.version < self.version:
+            async with self._step_lock:  # never copy weights that a step is writing
+                if self._snapshot.version < self.version:
+                    self._take_snapshot()
 
     def _copy_weights(self) -> tuple[torch.Tensor, ...]:
         """The master weights copied into a snapshot buffer set from the pool (no allocation

@@ -57,6 +57,7 @@ from bus.messages import (
     Welcome,
 )
 from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, ZmqClient
+from bus.layout import COMPRESSION
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
 from strategies.base import PushKind, Wait
@@ -130,6 +131,7 @@ class Worker:
         self._shard: tuple[int, int, int] | None = None  # (rank, world size, batch size) of it
         self.rejoins = 0
         self._pub_port: int | None = None
+        self._narrow: tuple[torch.Tensor, ...] = ()  # gradients as pushed under --compress
 
     async def run(self) -> WorkerReport:
         self._client = ZmqClient(self.config.connect, max_message_bytes=self.flat.layout.nbytes + 65536,
@@ -270,6 +272,13 @@ class Worker:
                                   batches=self._batches.length), patient=True)
         batch_iter = self._batches
         pushed = self.flat.weights if self._optimizer is not None else self.flat.grads
+        narrow = COMPRESSION.get(welcome.compress)
+        self._narrow = ()
+        if narrow is not None and self._optimizer is None:
+            # --compress: gradients go out in a narrower dtype, converted by `_compute` into
+            # buffers made once (the coordinator adds them into its fp32 ones).
+            self._narrow = self.flat.layout.on_wire(narrow).allocate()
+            pushed = self._narrow
         sent: Tracker | None = None
         # Where time goes between computes, reported with the next push (telemetry).
         comm_s = wait_s = 0.0
@@ -346,6 +355,10 @@ class Worker:
             self.steps += 1
             total_loss += float(loss.detach())
             samples += len(inputs)
+        if self._narrow:  # the last push of them is sent: `_train` waited for it
+            with torch.no_grad():
+                for dst, src in zip(self._narrow, self.flat.grads, strict=True):
+                    dst.copy_(src)
         return total_loss / local_steps, samples
 
     def _load_latest(self) -> None:

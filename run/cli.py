@@ -168,7 +168,7 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         faults=tuple(getattr(args, "fault", None) or ()), eval_every_s=args.eval_every,
         min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
-        trace=args.trace,
+        trace=args.trace, compress=args.compress or "",
     )
 
 
@@ -238,6 +238,9 @@ def _parser() -> argparse.ArgumentParser:
                             "public keys are in DIR/authorized (see `tensorbus keys`)")
         p.add_argument("--resume", action="store_true",
                        help="go on from the newest checkpoint in --checkpoint-dir (if any)")
+        p.add_argument("--compress", choices=("bf16", "fp16"),
+                       help="push gradients in this dtype: half the bytes; the coordinator "
+                            "keeps fp32 weights (sync, ssp, async)")
         p.add_argument("--eval-every", type=float, metavar="SECONDS",
                        help="copy the weights every SECONDS of training and evaluate the copies "
                             "after training (accuracy against time, in --metrics)")

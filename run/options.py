@@ -18,6 +18,7 @@ from nodes.coordinator import Coordinator, Progress
 from run.faults import parse_local
 from run.spec import Spec
 from strategies import STRATEGIES, Strategy
+from strategies.base import PushKind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,7 @@ class RunOptions:
     resume: bool = False
     keys: Path | None = None  # a key directory (see `tensorbus keys`): CURVE on every socket
     trace: Path | None = None  # a Chrome trace-event timeline of the run, written here
+    compress: str = ""  # "bf16" or "fp16": gradients pushed in that dtype
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -66,7 +68,10 @@ class RunOptions:
             raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
-        make_strategy(self)  # one-line errors for strategy options now, not at start-up
+        strategy = make_strategy(self)  # one-line errors for its options now, not at start-up
+        if self.compress and strategy.rhythm.push is PushKind.WEIGHTS:
+            raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
+                             "pushes weights: drop it, or choose sync, ssp or async")
 
 
 def make_strategy(options: RunOptions) -> Strategy:
@@ -111,6 +116,7 @@ def make_coordinator(
         resume=options.resume,
         keys=load_server_keys(options.keys) if options.keys is not None else None,
         trace=options.trace,
+        compress=options.compress,
     )
     strategy = make_strategy(options)
     return Coordinator(

@@ -64,7 +64,11 @@ def test_a_spec_that_does_not_exist() -> None:
      "--strategy ssp"),
     (["--resume"], "tensorbus: error: --resume and --checkpoint-every need --checkpoint-dir"),
     (["--min-workers", "3"], "tensorbus: error: --min-workers must be in 1..--workers (2), got 3"),
-], ids=["steps-and-epochs", "option-of-another-strategy", "resume-without-dir", "min-workers"])
+    (["--strategy", "average", "--compress", "bf16"],
+     "tensorbus: error: --compress applies to pushed gradients, and average pushes weights: "
+     "drop it, or choose sync, ssp or async"),
+], ids=["steps-and-epochs", "option-of-another-strategy", "resume-without-dir", "min-workers",
+        "compress-weights"])
 def test_a_wrong_combination_of_flags(args: list[str], line: str) -> None:
     done = _tensorbus("local", DIGITS, "--workers", "2", *args)
     assert done.returncode == 2

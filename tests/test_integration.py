@@ -217,3 +217,57 @@ def test_a_non_finite_update_is_dropped_and_its_worker_computes_again() -> None:
     assert summary["steps"] == 4
     assert summary["dropped"] == {"not_finite": 1}
     assert summary["final_loss"] == summary["final_loss"]  # finite: NaN never reached the model
+
+
+@pytest.mark.parametrize(("compress", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_compressed_gradients_train_like_full_ones_within_their_rounding(
+        compress: str, dtype: torch.dtype) -> None:
+    """--compress: the gradients travel in half the bytes, the coordinator adds them into its
+    fp32 weights, and the run tracks the uncompressed one to within the dtype's rounding."""
+    steps, b, workers = 20, 8, 2
+    seen: list[torch.dtype] = []
+
+    async def train(compress: str) -> Coordinator:
+        coordinator = _coordinator(workers, steps, b, compress=compress)
+        endpoint = coordinator.bind()
+        push = coordinator._push
+
+        async def spy(peer, member, message, now):  # type: ignore[no-untyped-def]
+            seen.extend(t.dtype for t in message.tensors)
+            await push(peer, member, message, now)
+
+        coordinator._push = spy  # type: ignore[method-assign]
+        await asyncio.gather(coordinator.run(), *(_worker(endpoint).run() for _ in range(workers)))
+        return coordinator
+
+    full = asyncio.run(train(""))
+    assert set(seen) == {torch.float32}
+    seen.clear()
+    narrow = asyncio.run(train(compress))
+    assert set(seen) == {dtype} and len(seen) == steps * workers
+    for (name, got), want, start in zip(narrow.model.named_parameters(),
+                                        full.model.parameters(), _initial().parameters(),
+                                        strict=True):
+        moved = (want - start).abs().max().item()
+        gap = (got - want).abs().max().item()
+        assert 0 < gap < 0.05 * moved, f"parameter {name}: {gap} apart, moved {moved}"
+        assert got.dtype == torch.float32  # fp32 master weights
+
+
+def test_a_push_in_the_wrong_dtype_is_refused_as_layout() -> None:
+    """A coordinator that expects bf16 gradients refuses fp32 ones, and the other way round."""
+    async def scenario() -> None:
+        coordinator = _coordinator(1, 5, 8, compress="bf16")
+        endpoint = coordinator.bind()
+        run = asyncio.create_task(coordinator.run())
+        context, dealer = await _raw_dealer(endpoint)
+        try:
+            grads = tuple(torch.zeros(b.numel) for b in coordinator.flat.layout.buckets)
+            reply = await _ask(dealer, encode(Push(clock=0, loss=1.0, samples=8, tensors=grads)))
+            assert isinstance(reply, Reject) and reply.code == "layout"
+        finally:
+            context.destroy(linger=0)
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+
+    asyncio.run(scenario())
