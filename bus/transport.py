@@ -212,7 +212,10 @@ class ZmqClient:
                 self._handshake_failure = HANDSHAKE_MECHANISM
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                self._handshake_failure = HANDSHAKE_REFUSED
+                # A mismatch, once seen, is the diagnosis: a retry after it may fail with
+                # less detail (seen under load), which must not hide it.
+                if self._handshake_failure != HANDSHAKE_MECHANISM:
+                    self._handshake_failure = HANDSHAKE_REFUSED
             elif kind == zmq.EVENT_CONNECTED:
                 self._connected = True
         if self._handshake_failure is not None:
