@@ -1,10 +1,11 @@
 """The benchmarks' model: an MLP of about 1M or 10M parameters on Fashion-MNIST, as a SPEC.
 
-`BENCH_PARAMS` (environment: `1M` or `10M`, default 1M) picks the size, so that one file
+`BENCH_PARAMS` (environment: `1M`, `10M` or `50M`, default 1M) picks the size, so that one file
 serves `tensorbus local`, the DDP baseline and the single-process baseline alike, and every
 process of a run (workers inherit the environment) builds the same model.
 
-    784 -> H -> H -> 10 with H = 680 (1.0M parameters) or H = 2820 (10.2M)
+    784 -> H -> H -> 10 with H = 680 (1.0M parameters), H = 2820 (10.2M) or H = 6650
+    (49.5M: benchmarks/shards.py)
 
 Inputs are Fashion-MNIST's training images when Debian's dataset-fashion-mnist is
 installed, else fixed random images of the same shape (timing does not depend on pixels).
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 
 from run.shards import Shards
 
-HIDDEN = {"1M": 680, "10M": 2820}
+HIDDEN = {"1M": 680, "10M": 2820, "50M": 6650}
 SAMPLES = 8192  # enough batches of 64 for every timed run; loaded once per process
 
 

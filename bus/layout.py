@@ -3,6 +3,12 @@
 Gradients and weights travel as one buffer per dtype bucket, not one frame per parameter.
 A `Layout` says which named tensor sits where in which bucket; both ends derive it from the
 same model, and its digest lets the coordinator refuse a worker built from another model.
+
+A model served by S coordinator shards is split by range (Li et al., OSDI 2014): the
+buckets laid end to end and cut into S nearly equal runs of elements. `Layout.shard` says
+which ranges of which buckets shard i owns (`Span`s) and the layout those ranges travel as,
+one bucket per span, whose digest names the model, i and S: a worker that connects to the
+wrong shard, or with another model, is refused at its join like any other layout mismatch.
 """
 
 from __future__ import annotations
@@ -37,6 +43,19 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Span:
+    """Elements [start, stop) of bucket `bucket`: one shard's part of it."""
+
+    bucket: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,32 @@ class Layout:
         return Layout(self.entries, tuple(
             Bucket(dtype if b.dtype.is_floating_point else b.dtype, b.numel) for b in self.buckets))
 
+    def shard(self, index: int, count: int) -> Shard:
+        """The part of this layout that shard `index` of `count` owns. With one shard, the
+        whole layout, as it is (same digest: an unsharded coordinator serves it)."""
+        if not 0 <= index < count:
+            raise ValueError(f"shard {index} of {count}: the index must be in 0..{count - 1}")
+        if count == 1:
+            return Shard(self, tuple(Span(b, 0, bucket.numel) for b, bucket in enumerate(self.buckets)))
+        total = sum(b.numel for b in self.buckets)
+        if total < count:
+            raise ValueError(f"{count} shards for a model of {total} parameters: use at most {total}")
+        # Cut the buckets, laid end to end, at i * total // count.
+        first, last = index * total // count, (index + 1) * total // count
+        spans, start = [], 0
+        for b, bucket in enumerate(self.buckets):
+            lo, hi = max(first, start), min(last, start + bucket.numel)
+            if lo < hi:
+                spans.append(Span(b, lo - start, hi - start))
+            start += bucket.numel
+        entries, buckets = [], []
+        for i, span in enumerate(spans):
+            dtype = self.buckets[span.bucket].dtype
+            name = f"shard_{index}_of_{count}_of_{self.digest}_bucket_{span.bucket}_{span.start}"
+            entries.append(Entry(name, dtype, (span.numel,), i, 0, span.numel))
+            buckets.append(Bucket(dtype, span.numel))
+        return Shard(Layout(tuple(entries), tuple(buckets)), tuple(spans))
+
     def allocate(self) -> tuple[torch.Tensor, ...]:
         """Fresh zeroed flat buffers, one per bucket."""
         return tuple(torch.zeros(b.numel, dtype=b.dtype) for b in self.buckets)
@@ -97,3 +142,16 @@ class Layout:
                 raise LayoutError(
                     f"buffer {i} is {dtype}{list(shape)}, expected {b.dtype}[{b.numel}]"
                 )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What one coordinator shard owns: its ranges of the model's buckets (`spans`) and the
+    layout they travel as (one bucket per span, in the same order)."""
+
+    layout: Layout
+    spans: tuple[Span, ...]
+
+    def take(self, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The spans of the model's flat buffers, as views (no copy): this shard's buffers."""
+        return tuple(flat[s.bucket][s.start : s.stop] for s in self.spans)

@@ -3,7 +3,8 @@
 Every message shares an envelope (sender, request id, model version, tensors) and adds a few
 scalar fields of its own. Only `int`, `float`, `str` and `bool` fields exist, so that the
 codec can check every header field's type before anything is built from it. Tensors are flat
-buffers, one per dtype bucket of the model (see `bus.layout`), cut into frames on the wire.
+buffers, one per dtype bucket of the model (see `bus.layout`), cut into frames on the wire;
+only the collectives of custom loops (Collective, Result) carry tensors of any shape.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Kind(enum.IntEnum):
     LEAVE = 9  # worker -> coordinator: I am going, and why
     STOP = 10  # coordinator -> worker(s): training is over, leave
     REJECT = 11  # coordinator -> worker: your message was refused; `code` says why
+    COLLECTIVE = 12  # rank -> rendezvous: my part of collective `seq` (answered by RESULT)
+    RESULT = 13  # rendezvous -> rank: how collective `seq` ended, with its tensor if any
 
 
 class RejectCode(str, enum.Enum):
@@ -61,6 +64,34 @@ class RejectCode(str, enum.Enum):
     UNEXPECTED = "unexpected"  # a valid message that this node does not take now
     NOT_FINITE = "not_finite"  # the update holds NaN or infinity
     BUILD = "build"  # the worker runs another tensorbus release than the coordinator
+
+
+class CollectiveOp(str, enum.Enum):
+    """What a rank asks of its group's rendezvous (see nodes.collectives)."""
+
+    JOIN = "join"  # count me in: answered once every rank has joined
+    ALLREDUCE = "allreduce"  # reduce my tensor with everyone's, give everyone the result
+    BROADCAST = "broadcast"  # the source rank's tensor, to everyone
+    ALLGATHER = "allgather"  # everyone's tensors, stacked in rank order, to everyone
+    BARRIER = "barrier"  # answered once every rank has called it
+    LEAVE = "leave"  # I am closing: answered once every rank is, so the host closes last
+
+
+class ReduceOp(str, enum.Enum):
+    """How an allreduce combines the ranks' tensors, in rank order, in their own dtype."""
+
+    SUM = "sum"
+    MEAN = "mean"  # the sum divided by the group size; floating-point dtypes only
+    MIN = "min"
+    MAX = "max"
+
+
+class Outcome(str, enum.Enum):
+    """How a collective ended, as the rendezvous tells every rank that took part."""
+
+    DONE = "done"  # everyone called it alike; the result (if any) is attached
+    TIMEOUT = "timeout"  # the ranks named in `detail` did not call it in time
+    MISMATCH = "mismatch"  # the ranks did not call the same thing; `detail` says who called what
 
 
 class Phase(str, enum.Enum):
@@ -182,6 +213,35 @@ class Reject(Message):
     detail: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Collective(Message):
+    """One rank's call of its group's collective number `seq` (0: the join)."""
+
+    KIND = Kind.COLLECTIVE
+    CARRIES_TENSORS = True
+    TENSORS_OPTIONAL = True  # none for a barrier, or from a broadcast's receiving ranks
+    op: str  # a CollectiveOp
+    seq: int  # collectives this rank called before this one, the join included
+    size: int  # the group size this rank was started with
+    timeout_s: float  # how long this rank waits for the others
+    spec: str = ""  # the caller's tensor, as "float32[10, 3]"; "" for none
+    reduce: str = ""  # allreduce: a ReduceOp
+    root: int = -1  # broadcast: the source rank
+    host: str = ""  # join: the caller's host name, for local ranks
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result(Message):
+    """How collective `seq` ended; for a rank that receives something, the tensor."""
+
+    KIND = Kind.RESULT
+    CARRIES_TENSORS = True
+    TENSORS_OPTIONAL = True  # none for a barrier, a failure, or a broadcast's source
+    seq: int
+    outcome: str = Outcome.DONE.value  # an Outcome
+    detail: str = ""  # timeout: the ranks missing; mismatch: who called what
+
+
 ENVELOPE: Final = frozenset(f.name for f in fields(Message))
 
 
@@ -193,5 +253,6 @@ def _field_types(cls: type[Message]) -> dict[str, type]:
 # kind -> (record class, its own fields and their types); the codec validates against this.
 SCHEMA: Final[dict[Kind, tuple[type[Message], dict[str, type]]]] = {
     cls.KIND: (cls, _field_types(cls))
-    for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject)
+    for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject,
+                Collective, Result)
 }

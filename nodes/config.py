@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,8 +38,16 @@ class CoordinatorConfig:
     # Workers push float gradients as bf16 or fp16 (half the bytes); the coordinator keeps
     # fp32 master weights and broadcasts them as they are. "": no compression.
     compress: str = ""
+    # Under a relay (nodes.relay): this coordinator's ranks start at first_rank, and its
+    # workers are told there are world_size data shards (the whole tree's workers).
+    first_rank: int = 0
+    world_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.first_rank < 0:
+            raise ValueError(f"first_rank must be at least 0, got {self.first_rank}")
+        if self.world_size is not None and self.world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
         if self.compress not in ("", "bf16", "fp16"):
             raise ValueError(f"compress must be bf16 or fp16, got {self.compress!r}")
         if self.max_workers is not None and self.max_workers < 1:
@@ -67,9 +76,11 @@ class CoordinatorConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
-    connect: str  # the coordinator's tcp://HOST:PORT
+    # The coordinator's tcp://HOST:PORT; or, for a sharded parameter server, every shard's,
+    # in shard order (a sequence, or one string with the endpoints separated by commas).
+    connect: str | Sequence[str]
     rank: int = -1  # -1: any free rank
-    device: str = "cpu"
+    device: str = "cpu"  # or "cuda:N" (run/ resolves auto and cuda)
     join_timeout_s: float = 300.0  # how long to keep trying to join
     request_timeout_s: float = 10.0  # per request (join, push, pull, leave)
     # After losing the coordinator (or being removed), keep trying to join again this long,
@@ -78,9 +89,22 @@ class WorkerConfig:
     faults: Faults = field(default_factory=Faults)  # injected faults, for experiments
     keys: ClientKeys | None = None  # CURVE: needed when the coordinator has keys
 
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        connect = self.connect
+        parts = connect.split(",") if isinstance(connect, str) else list(connect)
+        return tuple(p.strip() for p in parts)
+
     def __post_init__(self) -> None:
+        if not self.endpoints or not all(self.endpoints):
+            raise ValueError(f"connect needs at least one endpoint, got {self.connect!r}")
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise ValueError(f"connect names an endpoint twice: {self.connect!r}")
         if self.rank < -1:
             raise ValueError(f"rank must be -1 (any) or at least 0, got {self.rank}")
+        if not (self.device == "cpu" or (self.device.startswith("cuda:")
+                                         and self.device[5:].isdigit())):
+            raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
         for name in ("join_timeout_s", "request_timeout_s", "reconnect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

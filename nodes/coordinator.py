@@ -14,7 +14,7 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,6 +49,7 @@ from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
 from nodes.membership import Member, Membership
 from nodes.metrics import Metrics
+from nodes.shards import ShardModel
 from nodes.watch import Status, Watch
 from strategies.base import (
     Apply,
@@ -150,6 +151,10 @@ class Coordinator:
         evaluate: Evaluate | None = None,
         on_step: Callable[[Progress], None] | None = None,
     ) -> None:
+        if isinstance(model, ShardModel) and config.eval_every_s:
+            raise ValueError("eval_every_s evaluates the whole model during training, and a "
+                             "shard holds a range of it: evaluate after training the model "
+                             "that nodes.shards.assemble fills")
         self.model = model
         self.strategy = strategy
         self.config = config
@@ -169,7 +174,8 @@ class Coordinator:
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
-        self._members = Membership(config.max_workers or strategy.workers)
+        self._members = Membership(config.max_workers or strategy.workers,
+                                   first_rank=config.first_rank, world_size=config.world_size)
         self._held: dict[int, _Held] = {}
         self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
         self._target = config.steps  # in versions; or
@@ -227,8 +233,12 @@ class Coordinator:
             log.info("listening on %s (broadcasts on port %d)", self.endpoint, self._server.pub_port)
         return self.endpoint
 
-    async def run(self) -> dict[str, Any]:
-        """Train until the target version, then stop the workers and return the summary."""
+    async def run(self, *, before_evaluate: Awaitable[Any] | None = None) -> dict[str, Any]:
+        """Train until the target version, then stop the workers and return the summary.
+
+        `before_evaluate` is awaited between the end of training and `evaluate`: for the
+        first shard of a sharded server, the other shards' runs, so that the model
+        `evaluate` assembles holds every shard's final weights."""
         self.bind()
         self._done = asyncio.get_running_loop().create_future()
         self._started_at = time.monotonic()
@@ -255,6 +265,12 @@ class Coordinator:
         if self._failure is not None:
             self.metrics.close()
             raise TrainingError(self._failure)
+        if before_evaluate is not None:
+            try:
+                await before_evaluate
+            except BaseException:
+                self.metrics.close()
+                raise
         try:
             self._evaluate_points()
             evaluation = self._evaluate(self.model) if self._evaluate else {}
@@ -394,11 +410,15 @@ class Coordinator:
             )
             return
         if message.layout != self.flat.layout.digest:
-            await self._refuse(
-                peer, message, RejectCode.LAYOUT,
-                f"worker model layout {message.layout} differs from the coordinator's "
-                f"{self.flat.layout.digest}: both must load the same SPEC",
-            )
+            if isinstance(self.model, ShardModel):
+                detail = (f"this coordinator is shard {self.model.index} of {self.model.count} "
+                          f"(layout {self.flat.layout.digest}) and the worker asked for layout "
+                          f"{message.layout}: give the worker every shard's address in shard "
+                          "order (--connect ADDR0,ADDR1,...), and the same SPEC everywhere")
+            else:
+                detail = (f"worker model layout {message.layout} differs from the coordinator's "
+                          f"{self.flat.layout.digest}: both must load the same SPEC")
+            await self._refuse(peer, message, RejectCode.LAYOUT, detail)
             return
         again = self._members.get(peer) is not None  # a repeated Join (a retry): no-op
         admitted = self._members.join(peer, message.rank, now)
@@ -513,7 +533,11 @@ class Coordinator:
         if self._target is None and self._target_samples is None:
             self._target_samples = self._epochs_to_samples()
         started = time.time()
-        await asyncio.to_thread(self._step, [h.tensors for h in held], decision.scale)
+        await self._update([h.tensors for h in held], decision.scale,
+                           loss=sum(h.loss for h in held) / len(held),
+                           samples=sum(h.samples for h in held))
+        if self.state is State.STOPPING:
+            return  # a relay whose upstream stopped while it waited: no new version
         self.watch.span("apply", started, version=self.version + 1, workers=list(decision.workers))
         staleness = self.version - decision.version
         self.version += 1
@@ -552,13 +576,16 @@ class Coordinator:
             return self.metrics.samples / self._target_samples
         return None
 
-    def _step(self, updates: list[tuple[Received, ...]], scale: float) -> None:
-        """Average the updates (in the given order) and take one step with the result.
+    async def _update(
+        self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int
+    ) -> None:
+        """Make the next version of the weights from these updates: here, one optimizer
+        step, in a thread (a relay, `nodes.relay`, sends their mean upstream instead)."""
+        await asyncio.to_thread(self._step, updates, scale)
 
-        Gradients: their mean, times `scale`, goes into the gradient buffers and the
-        optimizer steps. Weights: their mean replaces the weights, or with an outer
-        optimizer, (weights - mean) is the gradient it steps on.
-        """
+    def _mean(self, updates: list[tuple[Received, ...]], scale: float) -> None:
+        """The mean of the updates (in the given order), times `scale`, into the gradient
+        buffers."""
         with torch.no_grad():
             for b, mean in enumerate(self.flat.grads):
                 copy_into(mean, updates[0][b])  # read where they arrived: no copy before
@@ -568,6 +595,17 @@ class Coordinator:
                     mean.div_(len(updates))
                 if scale != 1.0:
                     mean.mul_(scale)
+
+    def _step(self, updates: list[tuple[Received, ...]], scale: float) -> None:
+        """Average the updates and take one step with the result.
+
+        Gradients: their mean, times `scale`, goes into the gradient buffers and the
+        optimizer steps. Weights: their mean replaces the weights, or with an outer
+        optimizer, (weights - mean) is the gradient it steps on.
+        """
+        self._mean(updates, scale)
+        with torch.no_grad():
+            for b, mean in enumerate(self.flat.grads):
                 if self._weights_pushed:
                     if self.optimizer is None:
                         self.flat.weights[b].copy_(mean)

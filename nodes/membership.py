@@ -28,8 +28,12 @@ class Member:
 
 
 class Membership:
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    def __init__(self, size: int, *, first_rank: int = 0, world_size: int | None = None) -> None:
+        """Ranks first_rank..first_rank+size-1 exist here; `world_size` (default: size) is
+        the number of data shards that workers are told there are: more than `size` under
+        a relay, whose workers are a slice of the whole tree's ranks."""
+        self._ranks = range(first_rank, first_rank + size)
+        self.world_size = world_size if world_size is not None else size
         self._by_rank: dict[int, Member] = {}
         self._by_identity: dict[bytes, Member] = {}
 
@@ -51,11 +55,11 @@ class Membership:
         if rank < -1:
             return RejectCode.MALFORMED
         if rank == -1:
-            free = [r for r in range(self.world_size) if r not in self._by_rank]
+            free = [r for r in self._ranks if r not in self._by_rank]
             if not free:
                 return RejectCode.FULL
             rank = free[0]
-        elif rank >= self.world_size:
+        elif rank not in self._ranks:
             return RejectCode.FULL
         elif rank in self._by_rank:
             return RejectCode.RANK_TAKEN

@@ -14,6 +14,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -22,14 +23,17 @@ from typing import Any, NoReturn
 import torch
 
 from bus.errors import HandshakeError, PeerTimeoutError, RejectedError
-from bus.security import load_client_keys, make_keys
+from bus.security import load_client_keys, load_server_keys, make_keys
 from bus.transport import new_event_loop, split_endpoint
-from nodes.config import WorkerConfig
+from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import TrainingError
+from nodes.relay import Relay
 from nodes.worker import ComputeError, DataError, Worker
+from run import cluster, device
 from run.faults import parse_worker
 from run.local import LocalRunError, launch_local
 from run.options import RunOptions, make_coordinator
+from run.pernode import launch_node
 from run.progress import ProgressLine
 from run.signals import stopping_on_signals
 from run.spec import SpecError, load_spec
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
 
     try:
-        commands = {"local": _local, "coordinator": _coordinator, "worker": _worker,
+        commands = {"local": _local, "coordinator": _coordinator, "worker": _worker, "relay": _relay,
                     "keys": _keys, "plot": _plot}
         return commands[args.command](args)
     except KeyboardInterrupt as e:
@@ -86,7 +90,7 @@ def _local(args: argparse.Namespace) -> int:
         summary = launch_local(
             args.spec, _run_options(args), on_step=progress, threads=args.threads,
             log_level=args.log_level, status=StatusTable(sys.stderr, every_s=args.status),
-            debug=args.debug,
+            debug=args.debug, device=args.device,
         )
     finally:
         if progress:
@@ -96,6 +100,7 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    args.bind, args.workers = _served(args)
     host, _ = split_endpoint(args.bind)
     if args.keys is None and not args.insecure and not _is_loopback(host):
         raise ValueError(
@@ -105,8 +110,9 @@ def _coordinator(args: argparse.Namespace) -> int:
         )
     spec = load_spec(args.spec)
     progress = ProgressLine(sys.stderr) if not args.no_progress else None
+    shard, _ = args.shard or (0, 1)
     coordinator = make_coordinator(spec, _run_options(args), bind=args.bind,
-                                   pub_port=args.pub_port, on_step=progress)
+                                   pub_port=args.pub_port, on_step=progress, shard=shard)
     status = StatusTable(sys.stderr, every_s=args.status)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
@@ -119,9 +125,44 @@ def _coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
+def _relay(args: argparse.Namespace) -> int:
+    """`tensorbus relay`: a coordinator to --workers local workers, a worker of --connect."""
+    host, _ = split_endpoint(args.bind)
     split_endpoint(args.connect)
+    if args.keys is None and not args.insecure and not _is_loopback(host):
+        raise ValueError(
+            f"--bind {args.bind} is not a loopback address and no --keys were given: anyone "
+            "who can reach it could join and read the weights; make keys with `tensorbus keys "
+            "DIR` and pass --keys DIR, or pass --insecure to accept that")
+    spec = load_spec(args.spec)
+    options = {"average_every": args.average_every} if args.average_every is not None else {}
+    if args.strategy == "sync" and options:
+        raise ValueError("--average-every is an option of average, not of sync: drop it, or "
+                         "choose --strategy average")
+    strategy = STRATEGIES[args.strategy](workers=args.workers, **options)
+    config = CoordinatorConfig(
+        bind=args.bind, pub_port=args.pub_port, steps=1, heartbeat_s=args.heartbeat,
+        timeout_s=args.timeout, join_timeout_s=args.join_timeout,
+        keys=load_server_keys(args.keys) if args.keys else None)
+    relay = Relay(model=spec.build_model(), strategy=strategy, config=config,
+                  upstream=args.connect,
+                  keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        summary = runner.run(stopping_on_signals(relay, relay.run()))
+    _print_summary(summary)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    if args.workers_per_node is not None:
+        return _node(args)
+    if args.node_rank is not None:
+        raise ValueError("--node-rank numbers the nodes of --workers-per-node: give both, "
+                         "or neither")
+    args.connect, args.rank = _placed(args)
+    spec = load_spec(args.spec)
+    for endpoint in args.connect.split(","):
+        split_endpoint(endpoint.strip())
     config = WorkerConfig(connect=args.connect, rank=args.rank, device=_device(args.device),
                           join_timeout_s=args.join_timeout, faults=parse_worker(args.fault),
                           reconnect_timeout_s=args.reconnect_timeout,
@@ -133,6 +174,44 @@ def _worker(args: argparse.Namespace) -> int:
     logging.getLogger("tensorbus.worker").info(
         "worker %d done: %d pushes, last loss %s", report.rank, report.pushes, report.last_loss
     )
+    return 0
+
+
+def _served(args: argparse.Namespace) -> tuple[str, int]:
+    """The coordinator's --bind and --workers, else the environment's (see run.cluster)."""
+    if args.bind is not None and args.port is not None:
+        raise ValueError("give --bind tcp://HOST:PORT or --port PORT (which binds "
+                         "tcp://0.0.0.0:PORT), not both")
+    bind = args.bind or f"tcp://0.0.0.0:{cluster.coordinator_port(os.environ, args.port)}"
+    return bind, cluster.workers(os.environ, args.workers)
+
+
+def _placed(args: argparse.Namespace) -> tuple[str, int]:
+    """A worker's --connect and --rank, else the environment's (see run.cluster)."""
+    if args.connect is not None and args.port is not None:
+        raise ValueError("--port goes with an address from the environment (MASTER_ADDR or "
+                         "Slurm's nodelist): with --connect, give the port in it")
+    placement = cluster.placement(os.environ, rank=args.rank, port=args.port)
+    return args.connect or placement.endpoint(), placement.rank
+
+
+def _node(args: argparse.Namespace) -> int:
+    """`worker --workers-per-node G`: G workers on this node (see run.pernode)."""
+    if args.rank is not None:
+        raise ValueError("--rank and --workers-per-node exclude each other: worker L of a "
+                         "node takes rank NODE_RANK*G+L (see --node-rank)")
+    connect, _ = _placed(args)
+    load_spec(args.spec)  # a SPEC error once, here, rather than from every worker
+    flags = ["--log-level", args.log_level, "--join-timeout", str(args.join_timeout),
+             "--reconnect-timeout", str(args.reconnect_timeout), "--key-name", args.key_name,
+             *(f"--fault={f}" for f in args.fault)]
+    if args.keys is not None:
+        flags += ["--keys", str(args.keys)]
+    if args.debug:
+        flags.append("--debug")
+    launch_node(args.spec, workers=args.workers_per_node, connect=connect,
+                node_rank=cluster.node_rank(os.environ, args.node_rank), device=args.device,
+                threads=args.threads, flags=flags, environ=os.environ)
     return 0
 
 
@@ -168,14 +247,32 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         faults=tuple(getattr(args, "fault", None) or ()), eval_every_s=args.eval_every,
         min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
-        trace=args.trace, compress=args.compress or "",
+        trace=args.trace, compress=args.compress or "", shards=_shards(args),
     )
 
 
+def _shards(args: argparse.Namespace) -> int:
+    """How many coordinator shards: `local --shards S`, or S of `coordinator --shard I/S`."""
+    if getattr(args, "shard", None) is not None:
+        return int(args.shard[1])
+    return int(getattr(args, "shards", None) or 1)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """`--shard I/S`: this coordinator is shard I (from 0) of S."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/S (this shard's index from 0, "
+                                         "then the number of shards), e.g. 0/2") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"{text!r}: the index must be in 0..S-1")
+    return index, count
+
+
 def _device(name: str) -> str:
-    if name in ("auto", "cpu"):
-        return "cpu"  # GPU workers are not in this release; auto means the CPU here
-    raise ValueError(f"--device {name}: only cpu workers exist in this release")
+    """A worker's --device, with auto and cuda resolved by its local rank (run.device)."""
+    return device.resolve(name, cluster.placement(os.environ).local_rank)
 
 
 def _is_loopback(host: str) -> bool:
@@ -203,8 +300,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
         p.add_argument("--debug", action="store_true", help="print the traceback of an error")
 
-    def training(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--workers", type=int, required=True, help="workers to train with")
+    def training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> None:
+        p.add_argument("--workers", type=int, required=not workers_from_env,
+                       help="workers to train with" + (" (default: WORLD_SIZE)"
+                                                       if workers_from_env else ""))
         p.add_argument("--strategy", choices=sorted(STRATEGIES), default="sync")
         length = p.add_mutually_exclusive_group()
         length.add_argument("--steps", type=int, help="versions to apply")
@@ -265,20 +364,54 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--fault", action="append", metavar="KIND:RANK:N",
                        help="inject a fault (repeatable): slow:RANK:MS sleeps MS ms in every "
                             "step of worker RANK; crash:RANK:STEP kills it at local step STEP")
+    local.add_argument("--device", default="auto",
+                       help="auto (worker R on GPU R mod the GPUs here, where CUDA is "
+                            "present; else the CPU), cpu, cuda (the same, but insists on "
+                            "GPUs) or cuda:N (every worker on GPU N) (default auto)")
+    local.add_argument("--shards", type=int, metavar="S",
+                       help="a sharded parameter server: S coordinators, each owning a range "
+                            "of the parameters; every worker talks to all of them (default 1)")
 
     coordinator = commands.add_parser("coordinator", help="the coordinator alone")
     common(coordinator)
-    training(coordinator)
-    coordinator.add_argument("--bind", required=True, help="tcp://HOST:PORT for requests")
+    training(coordinator, workers_from_env=True)
+    coordinator.add_argument("--bind", help="tcp://HOST:PORT for requests (default: "
+                                            "tcp://0.0.0.0:PORT, PORT as --port says)")
+    coordinator.add_argument("--port", type=int,
+                             help="with no --bind, bind tcp://0.0.0.0:PORT (default: "
+                                  f"MASTER_PORT, else {cluster.DEFAULT_PORT})")
     coordinator.add_argument("--pub-port", type=int, help="broadcast port (default PORT+1)")
     coordinator.add_argument("--insecure", action="store_true",
                              help="allow a non-loopback --bind without keys")
+    coordinator.add_argument("--shard", type=_shard, metavar="I/S",
+                             help="be shard I (from 0) of a parameter server of S shards, "
+                                  "owning a range of the parameters; start every shard with "
+                                  "the same options, and give workers every shard's address "
+                                  "in order: --connect ADDR0,ADDR1,...")
 
     worker = commands.add_parser("worker", help="one worker")
     common(worker)
-    worker.add_argument("--connect", required=True, help="the coordinator's tcp://HOST:PORT")
-    worker.add_argument("--rank", type=int, default=-1, help="rank to ask for (default: any)")
-    worker.add_argument("--device", default="auto", help="auto or cpu")
+    worker.add_argument("--connect",
+                        help="the coordinator's tcp://HOST:PORT; for a sharded parameter "
+                             "server, every shard's, in shard order, separated by commas "
+                             "(default: from MASTER_ADDR or SLURM_JOB_NODELIST, see --port)")
+    worker.add_argument("--rank", type=int,
+                        help="rank to ask for (default: RANK, OMPI_COMM_WORLD_RANK or "
+                             "SLURM_PROCID, the first set; else any free rank)")
+    worker.add_argument("--port", type=int,
+                        help="with no --connect: the coordinator's port, its host being "
+                             "MASTER_ADDR or the first of SLURM_JOB_NODELIST (default: "
+                             f"MASTER_PORT, else {cluster.DEFAULT_PORT})")
+    worker.add_argument("--workers-per-node", type=int, metavar="G",
+                        help="start G worker processes here, ranks NODE_RANK*G to "
+                             "NODE_RANK*G+G-1, each with LOCAL_RANK set; this process waits "
+                             "for them all")
+    worker.add_argument("--node-rank", type=int, metavar="N",
+                        help="with --workers-per-node: this node's index (default: "
+                             "GROUP_RANK, else SLURM_NODEID, else 0)")
+    worker.add_argument("--device", default="auto",
+                        help="auto (GPU LOCAL_RANK where CUDA is present, else the CPU), cpu, "
+                             "cuda (GPU LOCAL_RANK) or cuda:N (default auto)")
     worker.add_argument("--join-timeout", type=float, default=300.0,
                         help="keep trying to join this long")
     worker.add_argument("--keys", type=Path, metavar="DIR",
@@ -290,6 +423,32 @@ def _parser() -> argparse.ArgumentParser:
                              "long (default 60)")
     worker.add_argument("--fault", action="append", default=[], metavar="KIND:N",
                         help="inject a fault (repeatable): slow:MS or crash:STEP")
+    relay = commands.add_parser("relay", help="a relay: coordinator to local workers, worker "
+                                              "of a root coordinator (hierarchical averaging)")
+    common(relay)
+    relay.add_argument("--connect", required=True, help="the root coordinator's tcp://HOST:PORT")
+    relay.add_argument("--bind", required=True, help="tcp://HOST:PORT for the local workers")
+    relay.add_argument("--pub-port", type=int, help="broadcast port (default PORT+1)")
+    relay.add_argument("--workers", type=int, required=True, help="local workers to serve")
+    relay.add_argument("--strategy", choices=("sync", "average"), default="sync",
+                       help="how the local workers' updates are reduced before they go to "
+                            "the root: sync under a sync, ssp or async root; average under "
+                            "an average root (default sync)")
+    relay.add_argument("--average-every", type=int, metavar="H",
+                       help="average: the local steps between averages (the root's H)")
+    relay.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    relay.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
+    relay.add_argument("--join-timeout", type=float, default=300.0,
+                       help="wait this long for the root and the workers")
+    relay.add_argument("--keys", type=Path, metavar="DIR",
+                       help="CURVE on both sides: DIR holds this relay's coordinator pair and "
+                            "authorized/ (for its workers) and its NAME.key_secret and the "
+                            "root's coordinator.key (for the root)")
+    relay.add_argument("--key-name", default="worker", metavar="NAME",
+                       help="which key pair of DIR the relay shows the root (default: worker)")
+    relay.add_argument("--insecure", action="store_true",
+                       help="allow a non-loopback --bind without keys")
+
     keys = commands.add_parser("keys", help="make CURVE key pairs for --keys")
     keys.add_argument("directory", type=Path, metavar="DIR")
     keys.add_argument("--worker", action="append", metavar="NAME",

@@ -20,10 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bus.transport import new_event_loop
 from nodes.coordinator import Coordinator, Progress
+from run.device import resolve as resolve_device
 from run.faults import parse_local
-from run.options import RunOptions, make_coordinator
+from run.options import RunOptions, make_coordinators, serve
 from run.signals import stopping_on_signals
 from run.spec import load_spec
 from run.status import StatusTable
@@ -47,12 +50,16 @@ def launch_local(
     log_level: str = "warning",
     status: StatusTable | None = None,
     debug: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Train with a coordinator here and `options.workers` worker processes; return the summary.
-    With `status`, the per-worker table is shown as it says (see `run.status`)."""
+    With `status`, the per-worker table is shown as it says (see `run.status`). `device`:
+    as `--device` (auto and cuda put worker R on GPU R mod the number of GPUs)."""
+    count = torch.cuda.device_count()
+    devices = [resolve_device(device, rank % max(count, 1)) for rank in range(options.workers)]
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(_launch(str(spec), options, on_step, threads, log_level, status,
-                                  debug))
+                                  debug, devices))
 
 
 async def _launch(
@@ -63,10 +70,11 @@ async def _launch(
     log_level: str,
     status: StatusTable | None,
     debug: bool,
+    devices: list[str],
 ) -> dict[str, Any]:
     spec = load_spec(spec_source)  # fail here, before any process starts
-    coordinator = make_coordinator(spec, options, bind="tcp://127.0.0.1:0", on_step=on_step)
-    endpoint = coordinator.bind()
+    coordinators = make_coordinators(spec, options, bind="tcp://127.0.0.1:0", on_step=on_step)
+    endpoint = ",".join(c.bind() for c in coordinators)  # every shard's, in order
     per_worker = threads or max(1, (os.cpu_count() or 1) // options.workers)
     workers: list[asyncio.subprocess.Process] = []
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -82,6 +90,7 @@ async def _launch(
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "run", "worker", spec_source, "--connect", endpoint,
                 "--rank", str(rank), "--threads", str(per_worker), "--log-level", log_level,
+                "--device", devices[rank],
                 *extra,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
@@ -92,9 +101,11 @@ async def _launch(
                 start_new_session=True,
             )
             workers.append(process)
-            relays.append(asyncio.create_task(_relay(rank, process, failure, coordinator)))
-        run = coordinator.run() if status is None else status.around(coordinator, coordinator.run())
-        training = asyncio.create_task(stopping_on_signals(coordinator, run))
+            relays.append(asyncio.create_task(_relay(rank, process, failure, coordinators)))
+        run = serve(coordinators)
+        if status is not None:  # the first shard's view: every shard sees the same workers
+            run = status.around(coordinators[0], run)
+        training = asyncio.create_task(stopping_on_signals(coordinators, run))
         await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
             training.cancel()
@@ -117,7 +128,7 @@ async def _launch(
 
 async def _relay(
     rank: int, process: asyncio.subprocess.Process, failure: asyncio.Future[str],
-    coordinator: Coordinator,
+    coordinators: list[Coordinator],
 ) -> None:
     """Copy a worker's stderr to ours; if it fails, report its last word; if it is killed,
     have the coordinator go on without it."""
@@ -135,7 +146,9 @@ async def _relay(
     code = await process.wait()
     if code < 0:
         name = signal.Signals(-code).name
-        if await coordinator.remove(rank, f"was killed by {name}: removed; going on without it"):
+        why = f"was killed by {name}: removed; going on without it"
+        removed = [await c.remove(rank, why) for c in coordinators]
+        if any(removed):
             return
         if not failure.done() and code != -signal.SIGTERM:
             failure.set_result(f"worker {rank} was killed by {name}")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,8 @@ import torch
 
 from bus.security import load_server_keys
 from nodes.config import CoordinatorConfig
-from nodes.coordinator import Coordinator, Progress
+from nodes.coordinator import Coordinator, Evaluate, Progress
+from nodes.shards import ShardModel, assemble
 from run.faults import parse_local
 from run.spec import Spec
 from strategies import STRATEGIES, Strategy
@@ -47,6 +49,7 @@ class RunOptions:
     keys: Path | None = None  # a key directory (see `tensorbus keys`): CURVE on every socket
     trace: Path | None = None  # a Chrome trace-event timeline of the run, written here
     compress: str = ""  # "bf16" or "fp16": gradients pushed in that dtype
+    shards: int = 1  # coordinator shards, each owning a range of the parameters
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -68,6 +71,11 @@ class RunOptions:
             raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
+        if self.shards < 1:
+            raise ValueError(f"--shards must be at least 1, got {self.shards}")
+        if self.shards > 1 and self.eval_every_s is not None:
+            raise ValueError("--eval-every evaluates the whole model during training, and each "
+                             "of --shards holds a range of it: drop one of them")
         strategy = make_strategy(self)  # one-line errors for its options now, not at start-up
         if self.compress and strategy.rhythm.push is PushKind.WEIGHTS:
             raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
@@ -94,10 +102,26 @@ def make_coordinator(
     bind: str,
     pub_port: int | None = None,
     on_step: Callable[[Progress], None] | None = None,
+    shard: int = 0,
+    evaluate: Evaluate | None = None,
 ) -> Coordinator:
-    """Seed, build the model from the SPEC, and set up a coordinator for these options."""
+    """Seed, build the model from the SPEC, and set up a coordinator for these options:
+    with `options.shards` > 1, coordinator shard `shard`, over its range of the model.
+    Only shard 0 writes the metrics and the trace; each shard checkpoints into its own
+    directory. Unsharded, it evaluates with the SPEC's evaluate; a shard, with `evaluate`
+    if given (see `make_coordinators`), for it holds only a range of the model."""
     torch.manual_seed(options.seed)
-    model = spec.build_model()
+    model: torch.nn.Module = spec.build_model()
+    sharded = options.shards > 1
+    checkpoint_dir = options.checkpoint_dir
+    if sharded:
+        if not 0 <= shard < options.shards:
+            raise ValueError(f"--shard {shard}/{options.shards}: the index must be in "
+                             f"0..{options.shards - 1}")
+        model = ShardModel(model, shard, options.shards)
+        if checkpoint_dir is not None:
+            checkpoint_dir = checkpoint_dir / f"shard-{shard}-of-{options.shards}"
+    first = shard == 0
     config = CoordinatorConfig(
         bind=bind,
         pub_port=pub_port,
@@ -107,15 +131,15 @@ def make_coordinator(
         heartbeat_s=options.heartbeat_s,
         timeout_s=options.timeout_s,
         join_timeout_s=options.join_timeout_s,
-        metrics=options.metrics,
+        metrics=options.metrics if first else None,
         eval_every_s=options.eval_every_s,
         min_workers=options.min_workers,
         max_workers=options.max_workers,
-        checkpoint_dir=options.checkpoint_dir,
+        checkpoint_dir=checkpoint_dir,
         checkpoint_every=options.checkpoint_every,
         resume=options.resume,
         keys=load_server_keys(options.keys) if options.keys is not None else None,
-        trace=options.trace,
+        trace=options.trace if first else None,
         compress=options.compress,
     )
     strategy = make_strategy(options)
@@ -125,6 +149,57 @@ def make_coordinator(
         config=config,
         optimizer=spec.optimizer,
         lr=options.lr,
-        evaluate=spec.evaluate,
-        on_step=on_step,
+        evaluate=evaluate if sharded else spec.evaluate,
+        on_step=on_step if first else None,
     )
+
+
+def make_coordinators(
+    spec: Spec,
+    options: RunOptions,
+    *,
+    bind: str,
+    on_step: Callable[[Progress], None] | None = None,
+) -> list[Coordinator]:
+    """The coordinator, or the `options.shards` coordinator shards, for these options.
+
+    Shard 0 evaluates the whole model, assembled from every shard's weights, once every
+    shard is done: run it with `before_evaluate` awaiting the others (see `serve`).
+    """
+    if options.shards == 1:
+        return [make_coordinator(spec, options, bind=bind, on_step=on_step)]
+    evaluate = spec.evaluate
+    shards: list[ShardModel] = []
+    whole = spec.build_model()  # filled with the shards' weights, for evaluate
+
+    def assembled(_: torch.nn.Module) -> dict[str, float]:
+        assert evaluate is not None
+        return evaluate(assemble(whole, shards))
+
+    coordinators = [
+        make_coordinator(spec, options, bind=bind, on_step=on_step, shard=i,
+                         evaluate=assembled if i == 0 and evaluate is not None else None)
+        for i in range(options.shards)]
+    shards.extend(c.model for c in coordinators if isinstance(c.model, ShardModel))
+    return coordinators
+
+
+async def serve(coordinators: list[Coordinator]) -> dict[str, Any]:
+    """Run the coordinator, or every shard of a sharded server, to the end; return the
+    (first shard's) summary. One shard failing stops the others."""
+    first, *others = coordinators
+    if not others:
+        return await first.run()
+    rest = [asyncio.create_task(c.run()) for c in others]
+    gathered = asyncio.gather(*rest)
+    main = asyncio.create_task(first.run(before_evaluate=gathered))
+    try:
+        await asyncio.wait({main, gathered}, return_when=asyncio.FIRST_EXCEPTION)
+        if gathered.done() and gathered.exception() is not None:
+            raise gathered.exception()  # type: ignore[misc]
+        summary = await main
+    finally:
+        for task in (main, *rest):
+            task.cancel()
+        await asyncio.gather(main, *rest, return_exceptions=True)
+    return {**summary, "shards": len(coordinators)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 from nodes.coordinator import Coordinator
@@ -18,10 +18,13 @@ T = TypeVar("T")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-async def stopping_on_signals(coordinator: Coordinator, work: Awaitable[T]) -> T:
+async def stopping_on_signals(
+    coordinator: Coordinator | Sequence[Coordinator], work: Awaitable[T]
+) -> T:
     """Await `work` (the coordinator's run, or a launch around it) with the signals routed
-    to `coordinator.request_stop`. Outside the main thread signals cannot be caught, and
-    the work runs as it is."""
+    to `request_stop` of the coordinator (of every shard, when given several). Outside the
+    main thread signals cannot be caught, and the work runs as it is."""
+    coordinators = [coordinator] if isinstance(coordinator, Coordinator) else list(coordinator)
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
 
@@ -29,7 +32,8 @@ async def stopping_on_signals(coordinator: Coordinator, work: Awaitable[T]) -> T
         for s in installed:  # the next one interrupts
             loop.remove_signal_handler(s)
         installed.clear()
-        coordinator.request_stop(sig.name)
+        for c in coordinators:
+            c.request_stop(sig.name)
 
     try:
         for sig in SIGNALS:

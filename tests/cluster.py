@@ -21,7 +21,7 @@ LIVENESS = ["--heartbeat", str(HEARTBEAT_S), "--timeout", str(TIMEOUT_S)]
 QUIET = ["--threads", "1", "--log-level", "warning"]
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
     try:
         for s in sockets:
@@ -39,7 +39,7 @@ class Cluster:
         self.tmp = tmp_path
         self.spec = tmp_path / "digits.py"
         shutil.copy(DIGITS, self.spec)
-        self.port, self.pub_port = _free_ports(2)
+        self.port, self.pub_port = free_ports(2)
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.metrics = tmp_path / "metrics.jsonl"
         self.coordinator: subprocess.Popen[str] | None = None

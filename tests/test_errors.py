@@ -174,7 +174,7 @@ def test_a_worker_without_keys_for_a_coordinator_with_them(keyed: Cluster) -> No
 
 def test_a_worker_of_another_release(keyed: Cluster) -> None:
     line, _ = _worker_of(keyed, "--keys", str(keyed.tmp / "keys"), "--key-name", "alice",
-                         python="import nodes.worker; nodes.worker.BUILD = '9.9.9'")
+                         python="import nodes.link; nodes.link.BUILD = '9.9.9'")
     from bus.messages import BUILD
     assert line == (f"error: rejected (build): the worker runs tensorbus 9.9.9, the coordinator "
                     f"{BUILD}: install the same release on both")

@@ -132,7 +132,7 @@ def _assert_same_weights(got: list[torch.Tensor], want: list[torch.Tensor]) -> N
 
 
 def _client_factory(cls: type[ZmqClient], **extra: Any) -> Callable[..., ZmqClient]:
-    """Something to put in place of `nodes.worker.ZmqClient` that builds `cls` with `extra`."""
+    """Something to put in place of `nodes.link.ZmqClient` that builds `cls` with `extra`."""
     def build(connect: str, **options: Any) -> ZmqClient:
         return cls(connect, **options, **extra)
     return build
@@ -172,7 +172,7 @@ def reference() -> Reference:
         return coordinator, summary
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("nodes.worker.ZmqClient", _client_factory(_Recording, pushes=pushes))
+        patch.setattr("nodes.link.ZmqClient", _client_factory(_Recording, pushes=pushes))
         coordinator, summary = asyncio.run(train())
     assert summary["steps"] == STEPS and summary["rejected"] == {} and summary["dropped"] == {}
     return Reference(_weights(coordinator), pushes)
@@ -705,7 +705,7 @@ def test_hostile_pushes_from_a_member_are_dropped_and_never_applied(
     caplog.set_level(logging.WARNING, logger="tensorbus.coordinator")
     with pytest.MonkeyPatch.context() as patch:
         layout = _coordinator().flat.layout
-        patch.setattr("nodes.worker.ZmqClient", _client_factory(
+        patch.setattr("nodes.link.ZmqClient", _client_factory(
             _LyingMember, layout=layout, lies=lies, answers=answers))
         coordinator, summary = asyncio.run(train())
 

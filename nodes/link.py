@@ -1,0 +1,357 @@
+"""A worker's link to one coordinator (or one coordinator shard): requests, answers, versions.
+
+A `Link` owns one DEALER and SUB pair and everything a worker knows of the coordinator at
+the other end: when it was last heard, the newest version it announced, the newest weights
+received and not yet loaded, and the requests awaiting an answer (matched by id). It loads
+weights only into its own part of the worker's flat buffers (its `Shard`: the whole model
+when there is one coordinator), and only when the worker asks, between computes.
+
+The worker (`nodes.worker`) drives one link per coordinator shard with one training loop;
+the link runs its receive loops as tasks on the same event loop: `_replies` (answers on
+the DEALER) for as long as the link is open, and, for one membership (a session),
+`_broadcasts` (versions, heartbeats and stop on the SUB), a heartbeat sender and a
+watchdog. A missed broadcast is noticed from the coordinator's heartbeats, which carry its
+version, and fetched with a Pull (the clone pattern).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections.abc import Coroutine
+from dataclasses import replace
+from typing import Any, Protocol
+
+import torch
+
+from bus.buffers import Tracker
+from bus.codec import decode, encode
+from bus.deadline import within
+from bus.errors import (
+    HandshakeError,
+    PeerTimeoutError,
+    ProtocolVersionError,
+    RejectedError,
+    WireError,
+    quote,
+)
+from bus.layout import Shard
+from bus.messages import (
+    BUILD,
+    Heartbeat,
+    Join,
+    Leave,
+    Message,
+    Phase,
+    Pull,
+    Reject,
+    RejectCode,
+    Stop,
+    Weights,
+    Welcome,
+)
+from bus.pieces import copy_into
+from bus.security import ClientKeys
+from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, ZmqClient
+
+log = logging.getLogger("tensorbus.worker")
+
+
+class Stopped(Exception):
+    """The coordinator said training is over."""
+
+
+class Owner(Protocol):
+    """What a link needs of its worker: who it is and what it does, for requests and beats,
+    and how to end the worker's session when this coordinator is lost or removed us."""
+
+    rank: int
+    phase: Phase
+    clock: int
+
+    def end_session(self, why: Exception) -> None: ...
+
+
+class Link:
+    def __init__(
+        self,
+        endpoint: str,
+        shard: Shard,
+        weights: tuple[torch.Tensor, ...],
+        owner: Owner,
+        *,
+        request_timeout_s: float,
+        keys: ClientKeys | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.layout = shard.layout
+        self._weights = weights  # this shard's views of the worker's flat weights
+        self._owner = owner
+        self._keys = keys
+        self._client: ZmqClient | None = None
+        self._receiving: asyncio.Task[None] | None = None
+        self._requests = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self.version = 0  # the version of this shard's weights in the model now
+        self._latest: Weights | None = None  # newest weights received, not yet loaded
+        self._newer = asyncio.Event()
+        self.stopped = False
+        self._coordinator_version = 0
+        self.seen = -math.inf  # when last heard; never: nobody to say goodbye to
+        self.heartbeat_s = 0.5
+        self.timeout_s = 10.0
+        self._config_request_timeout_s = request_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._pub_port: int | None = None  # the port the SUB is connected to
+        self._announced_port = 0  # the broadcast port the last Welcome named
+
+    @property
+    def peer(self) -> str:
+        return f"coordinator at {self.endpoint}"
+
+    def open(self) -> None:
+        self._client = ZmqClient(self.endpoint, max_message_bytes=self.layout.nbytes + 65536,
+                                 keys=self._keys)
+        self._receiving = asyncio.create_task(self._replies())
+
+    async def close(self) -> None:
+        if self._receiving is not None:
+            self._receiving.cancel()
+            await asyncio.gather(self._receiving, return_exceptions=True)
+        if self._client is not None:
+            self._client.close()
+
+    # Joining -------------------------------------------------------------------------------
+
+    async def join(self, rank: int, within_s: float, what: str, *, any_rank: bool) -> Welcome:
+        """Ask to join as `rank` until admitted, refused, or `within_s` has passed, backing
+        off; with `any_rank`, take any rank when that one went to another worker."""
+        deadline = time.monotonic() + within_s
+        wait = 1.0
+        while True:
+            join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD)
+            try:
+                reply = await self.request(join, timeout=min(wait, max(deadline - time.monotonic(), 0.1)))
+            except PeerTimeoutError:
+                problem = self._client.connection_problem() if self._client else None
+                if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM):
+                    raise HandshakeError(self.peer, problem) from None  # waiting will not mend it
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(self.peer, what, within_s, problem or "") from None
+                wait = min(wait * 2, 10.0)
+                continue
+            except RejectedError as e:
+                if e.code == RejectCode.RANK_TAKEN.value and any_rank and rank != -1:
+                    rank = -1  # our old rank went to another worker; any will do
+                    continue
+                raise
+            if not isinstance(reply, Welcome):
+                raise RejectedError("unexpected", f"join answered by {reply.KIND.name}")
+            self.load(reply)
+            self._latest = None
+            self._coordinator_version = reply.version  # a restarted coordinator may be behind
+            self.heartbeat_s, self.timeout_s = reply.heartbeat_s, reply.timeout_s
+            # Past the coordinator's own liveness timeout, a missing answer means it is gone.
+            self._request_timeout_s = min(self._config_request_timeout_s, reply.timeout_s)
+            self.seen = time.monotonic()
+            self._announced_port = reply.pub_port
+            return reply
+
+    def session(self) -> list[Coroutine[Any, Any, None]]:
+        """What runs beside the training loop for the membership the last join began:
+        receiving broadcasts, beating, watching that the coordinator is alive."""
+        assert self._client is not None
+        if self._announced_port != self._pub_port:  # connect once: SUB reconnects by itself
+            self._client.subscribe(self._announced_port)
+            self._pub_port = self._announced_port
+        return [self._broadcasts(), self._heartbeats(), self._watchdog()]
+
+    # Versions ------------------------------------------------------------------------------
+
+    def load(self, weights: Weights | Welcome) -> None:
+        """Copy received weights into this shard's part of the model (one copy, straight
+        from the frames) and take their version."""
+        self.layout.check([(t.dtype, tuple(t.shape)) for t in weights.tensors])
+        with torch.no_grad():
+            for dst, src in zip(self._weights, weights.tensors, strict=True):
+                copy_into(dst, src)
+        self.version = weights.version
+
+    def load_latest(self) -> None:
+        if self._latest is not None and self._latest.version > self.version:
+            self.load(self._latest)
+        self._latest = None  # drop the frames as soon as they are copied
+
+    def newest(self) -> int:
+        return max(self.version, self._latest.version if self._latest else -1)
+
+    async def await_version(self, *, newer_than: int) -> None:
+        """Wait for a version past `newer_than`, pulling it if the broadcast was missed."""
+        while self.newest() <= newer_than:
+            if self.stopped:
+                raise Stopped
+            self._newer.clear()
+            try:
+                await asyncio.wait_for(self._newer.wait(), self.heartbeat_s * 2)
+                quiet = False
+            except TimeoutError:
+                quiet = True
+            silent = time.monotonic() - self.seen
+            if silent > self.timeout_s:
+                raise PeerTimeoutError(self.peer, f"version {newer_than + 1}", silent)
+            have = self.newest()
+            # Two quiet heartbeat periods, or a heartbeat announcing a version we lack: ask.
+            # A Pull for what we have is answered without tensors, so asking is cheap.
+            if quiet or self._coordinator_version > have:
+                reply = await self.request(Pull(sender=self._owner.rank, version=have))
+                if isinstance(reply, Weights) and reply.tensors:
+                    self._keep_newest(reply)
+
+    def _keep_newest(self, weights: Weights) -> None:
+        if weights.version > self.newest():
+            self._latest = weights
+            self._newer.set()
+
+    # Requests ------------------------------------------------------------------------------
+
+    async def request(
+        self, message: Message, *, timeout: float | None = None, patient: bool = False
+    ) -> Message:
+        reply, _ = await self.request_tracked(message, timeout=timeout, patient=patient)
+        return reply
+
+    async def request_tracked(
+        self, message: Message, *, timeout: float | None = None, patient: bool = False
+    ) -> tuple[Message, Tracker | None]:
+        """Send a request and wait for its answer: within `timeout` (default: the request
+        timeout), or, if `patient`, for as long as the coordinator keeps beating."""
+        assert self._client is not None
+        request = next(self._requests)
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[request] = future
+        seconds = timeout if timeout is not None else self._request_timeout_s
+        what = f"{message.KIND.name.lower()} (request {request})"
+        try:
+            # The send has a deadline too: a DEALER whose peer is gone blocks in send.
+            tracker = await within(self._client.send(encode(replace(message, request=request))),
+                                   seconds, peer=self.peer, waiting_for=f"sending {what}")
+            if patient:
+                reply = await self._while_alive(future, waiting_for=what)
+            else:
+                reply = await within(future, seconds, peer=self.peer, waiting_for=what)
+        finally:
+            self._pending.pop(request, None)
+        match reply:
+            case Stop():
+                self.stopped = True
+                raise Stopped
+            case Reject(code=code, detail=detail):
+                raise RejectedError(code, detail)
+        return reply, tracker
+
+    async def _while_alive(self, future: asyncio.Future[Message], *, waiting_for: str) -> Message:
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=self.heartbeat_s)
+            if done:
+                return future.result()
+            silent = time.monotonic() - self.seen
+            if silent > self.timeout_s:
+                raise PeerTimeoutError(self.peer, waiting_for, silent)
+
+    async def leave(self, reason: str, detail: str) -> None:
+        """Say goodbye, briefly: the coordinator may already be gone."""
+        if time.monotonic() - self.seen > self.timeout_s:
+            return  # it is gone: nobody to tell
+        try:
+            await self.request(Leave(sender=self._owner.rank, version=self.version, reason=reason,
+                                     detail=detail[:1000]), timeout=2.0)
+        except (PeerTimeoutError, RejectedError, Stopped):
+            pass
+
+    # Receiving -----------------------------------------------------------------------------
+
+    def _heard(self, message: Message) -> None:
+        self.seen = time.monotonic()
+        self._coordinator_version = max(self._coordinator_version, message.version)
+
+    async def _replies(self) -> None:
+        assert self._client is not None
+        while True:
+            frames = await self._client.recv()
+            try:
+                message = decode(frames, layout=self.layout)
+            except ProtocolVersionError as e:
+                # Another release: nothing it says can be read, so every wait would time
+                # out; say why now, to whatever waits for an answer.
+                refused = RejectedError(RejectCode.PROTOCOL.value, (
+                    f"the coordinator speaks protocol {quote(e.got)}, this worker {e.expected}: "
+                    "run the same tensorbus release on the coordinator and every worker"))
+                for future in self._pending.values():
+                    if not future.done():
+                        future.set_exception(refused)
+                continue
+            except WireError as e:
+                log.warning("worker %d: bad reply from the %s: %s", self._owner.rank, self.peer, e)
+                continue
+            self._heard(message)
+            future = self._pending.get(message.request)
+            if future is not None and not future.done():
+                future.set_result(message)
+            elif isinstance(message, Reject):
+                if message.code == RejectCode.UNKNOWN_WORKER.value:
+                    # It no longer counts us (removed while silent, or restarted): join
+                    # again. Answers to what was queued before a join (beats sent while
+                    # the coordinator was away) come before its Welcome: no session to end.
+                    self._owner.end_session(RejectedError(message.code, message.detail))
+                else:
+                    log.warning("worker %d: the %s refused a message: %s: %s",
+                                self._owner.rank, self.peer, message.code, message.detail)
+
+    async def _broadcasts(self) -> None:
+        assert self._client is not None
+        while True:
+            frames = await self._client.recv_broadcast()
+            try:
+                message = decode(frames, layout=self.layout)
+            except WireError as e:
+                log.warning("worker %d: bad broadcast: %s", self._owner.rank, e)
+                continue
+            self._heard(message)
+            match message:
+                case Weights():
+                    self._keep_newest(message)
+                case Heartbeat() if message.version > self.version:
+                    self._newer.set()  # maybe a missed broadcast: let the waiter look
+                case Stop():
+                    self.stopped = True
+                    self._newer.set()
+
+    async def _heartbeats(self) -> None:
+        assert self._client is not None
+        owner = self._owner
+        while True:
+            beat = Heartbeat(sender=owner.rank, version=self.version, phase=owner.phase.value,
+                             clock=owner.clock)
+            await self._client.send(encode(beat))
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _watchdog(self) -> None:
+        """End the session, whatever it awaits, once the coordinator is silent too long.
+
+        Every wait has its own deadline; this is the one that holds if some wait (a send
+        into a socket whose peer is gone, say) has not.
+        """
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            silent = time.monotonic() - self.seen
+            if silent > self.timeout_s + self.heartbeat_s:
+                owner = self._owner
+                self._owner.end_session(PeerTimeoutError(
+                    self.peer,
+                    f"anything (worker {owner.rank} was {owner.phase.value} at version {self.version})",
+                    silent,
+                ))
+                return

@@ -1,0 +1,107 @@
+"""`tensorbus worker --workers-per-node G`: G worker processes on this node, one per GPU.
+
+Worker l (from 0) is a real process, `python -m run worker SPEC --rank NODE_RANK*G+l ...`,
+with LOCAL_RANK=l in its environment (see `run.cluster.child_environment`). Their stderr is
+relayed line by line with a `[worker R]` prefix. The workers train independently of each
+other, so one that fails does not stop the rest (the coordinator drops a lost worker and
+goes on); this process waits for them all and fails, with the first failure's one-line
+error, if any did. Every worker is reaped, and each is told by the kernel to die with this
+process (PR_SET_PDEATHSIG), as `run.local` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+
+from bus.transport import new_event_loop
+from run.cluster import child_environment
+from run.device import resolve as resolve_device
+from run.local import ERROR_PREFIX, LocalRunError, _die_with_parent, _reap
+
+GRACE_S = 5.0  # after an interruption, how long the workers get to leave on their own
+
+
+class NodeRunError(LocalRunError):
+    """A worker of this node failed; the message is one line saying which and why."""
+
+
+def launch_node(
+    spec: str,
+    *,
+    workers: int,
+    node_rank: int,
+    connect: str,
+    device: str,
+    threads: int | None,
+    flags: Sequence[str],
+    environ: Mapping[str, str],
+) -> None:
+    """Run `workers` worker processes with ranks node_rank*workers + l until all have
+    exited; NodeRunError if any failed. `flags` go to every worker as they are."""
+    if workers < 1:
+        raise ValueError(f"--workers-per-node must be at least 1, got {workers}")
+    per_worker = threads or max(1, (os.cpu_count() or 1) // workers)
+    commands = []
+    for local in range(workers):
+        rank = node_rank * workers + local
+        command = [sys.executable, "-m", "run", "worker", spec, "--connect", connect,
+                   "--rank", str(rank), "--device", resolve_device(device, local),
+                   "--threads", str(per_worker), *flags]
+        commands.append((rank, command, child_environment(
+            environ, rank=rank, local_rank=local, local_world_size=workers,
+            node_rank=node_rank)))
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        failures = runner.run(_launch(commands))
+    if failures:
+        more = f" ({len(failures)} of this node's {workers} workers failed)" \
+            if len(failures) > 1 else ""
+        raise NodeRunError(failures[0] + more)
+
+
+async def _launch(commands: list[tuple[int, list[str], dict[str, str]]]) -> list[str]:
+    """Start every worker, wait for all; their failures, one line each, in rank order."""
+    processes: list[asyncio.subprocess.Process] = []
+    relays: list[asyncio.Task[str | None]] = []
+    try:
+        for rank, command, env in commands:
+            process = await asyncio.create_subprocess_exec(
+                *command, env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,  # stdout is ours: what a SPEC prints shows
+                preexec_fn=_die_with_parent,
+            )
+            processes.append(process)
+            relays.append(asyncio.create_task(_relay(rank, process)))
+        outcomes = await asyncio.gather(*relays)
+        return [why for why in outcomes if why is not None]
+    finally:
+        # Done: nothing is left. Interrupted: the workers got the Ctrl-C too (same process
+        # group) and leave through their coordinator; what has not left in GRACE_S is ended.
+        await _reap(processes, timeout=GRACE_S)
+        for relay in relays:
+            relay.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+
+
+async def _relay(rank: int, process: asyncio.subprocess.Process) -> str | None:
+    """Copy a worker's stderr to ours; return why it failed, or None if it did not."""
+    assert process.stderr is not None
+    last_error = ""
+    tail = ""
+    async for raw in process.stderr:
+        line = raw.decode(errors="replace").rstrip()
+        if line.startswith(ERROR_PREFIX):
+            last_error = line[len(ERROR_PREFIX):]
+            continue
+        tail = line or tail
+        print(f"[worker {rank}] {line}", file=sys.stderr, flush=True)
+    code = await process.wait()
+    if code < 0:
+        return f"worker {rank} was killed by {signal.Signals(-code).name}"
+    if code != 0:
+        return f"worker {rank} failed (exit status {code}): {last_error or tail or 'no message'}"
+    return None

@@ -1,0 +1,155 @@
+"""Relays (hierarchical aggregation): two relays, each with two workers, under one root,
+train the weights of the flat run with the same four workers (sync: to 1e-5), in one
+event loop over real ZeroMQ on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cluster import free_ports
+from specs import load_example
+
+from bus.errors import RejectedError
+from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from nodes.relay import Relay
+from strategies import Async, PeriodicAveraging, Strategy, Sync
+
+pytestmark = pytest.mark.timeout(90)
+
+digits = load_example("digits")
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = ROOT / "examples" / "digits.py"
+LR, MOMENTUM, BATCH = 0.05, 0.9, 16
+
+
+def _sgd(params):  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _initial() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return digits.model()
+
+
+def _worker(endpoint: str) -> Worker:
+    return Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=_sgd,
+                  config=WorkerConfig(connect=endpoint))
+
+
+def _flat(strategy: Strategy, steps: int) -> torch.nn.Module:
+    async def train() -> torch.nn.Module:
+        root = Coordinator(model=_initial(), strategy=strategy, optimizer=_sgd,
+                           config=CoordinatorConfig(batch_size=BATCH, steps=steps))
+        endpoint = root.bind()
+        await asyncio.gather(root.run(), *(_worker(endpoint).run() for _ in range(strategy.workers)))
+        return root.model
+
+    return asyncio.run(train())
+
+
+def _tree(root_strategy: Strategy, local: type[Strategy], steps: int, relays: int = 2,
+          per_relay: int = 2, **options: object) -> tuple[torch.nn.Module, list[dict]]:
+    async def train() -> tuple[torch.nn.Module, list[dict]]:
+        root = Coordinator(model=_initial(), strategy=root_strategy, optimizer=_sgd,
+                           config=CoordinatorConfig(batch_size=BATCH, steps=steps))
+        upstream = root.bind()
+        tree = [Relay(model=digits.model(), strategy=local(workers=per_relay, **options),
+                      config=CoordinatorConfig(steps=1), upstream=upstream)
+                for _ in range(relays)]
+        local_endpoints = [relay.bind() for relay in tree]
+        workers = [_worker(e) for e in local_endpoints for _ in range(per_relay)]
+        results = await asyncio.gather(root.run(), *(r.run() for r in tree),
+                                       *(w.run() for w in workers))
+        ranks = sorted(w.rank for w in workers)
+        assert ranks == list(range(relays * per_relay))  # each worker its own data shard
+        return root.model, list(results[1:1 + relays])
+
+    return asyncio.run(train())
+
+
+def _max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_a_sync_tree_gives_the_weights_of_the_flat_sync_run() -> None:
+    flat = _flat(Sync(workers=4), steps=6)
+    tree, summaries = _tree(Sync(workers=2), Sync, steps=6)
+    assert _max_difference(flat, tree) <= 1e-5
+    assert _max_difference(flat, _initial()) > 1e-3  # it did train
+    assert [s["ended"] for s in summaries] == ["the root stopped"] * 2
+
+
+def test_an_averaging_tree_gives_the_weights_of_the_flat_averaging_run() -> None:
+    flat = _flat(PeriodicAveraging(workers=4, average_every=2), steps=3)
+    tree, _ = _tree(PeriodicAveraging(workers=2, average_every=2), PeriodicAveraging, steps=3,
+                    average_every=2)
+    assert _max_difference(flat, tree) <= 1e-5
+
+
+def test_relays_under_an_async_root_train() -> None:
+    tree, summaries = _tree(Async(workers=2), Sync, steps=10)
+    assert _max_difference(tree, _initial()) > 1e-3
+    assert all(s["steps"] >= 1 for s in summaries)
+
+
+def test_a_relay_that_pushes_gradients_under_an_averaging_root_is_refused() -> None:
+    with pytest.raises(RejectedError, match="give the relay sync under a sync"):
+        _tree(PeriodicAveraging(workers=1, average_every=2), Sync, steps=2, relays=1)
+
+
+# Processes -------------------------------------------------------------------------------
+
+
+def _summary(stdout: str) -> dict:
+    return json.loads(stdout[stdout.index("{"):])
+
+
+@pytest.mark.timeout(150)
+def test_a_tree_of_processes_trains_to_the_flat_runs_accuracy() -> None:
+    """`tensorbus coordinator` as the root, two `tensorbus relay` processes, two `tensorbus
+    worker`s under each: the root's evaluation equals `tensorbus local --workers 4`'s."""
+    run = [sys.executable, "-m", "run"]
+    quiet = ["--threads", "1", "--log-level", "error"]
+    flat = subprocess.run([*run, "local", str(DIGITS), "--workers", "4", "--steps", "12",
+                           "--no-progress", *quiet], cwd=ROOT, capture_output=True, text=True,
+                          timeout=100, check=False)
+    assert flat.returncode == 0, flat.stderr
+    ports = free_ports(6)
+    root_at, relays_at = f"tcp://127.0.0.1:{ports[0]}", [f"tcp://127.0.0.1:{p}" for p in ports[2::2]]
+    processes: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        process = subprocess.Popen([*run, *args, *quiet], cwd=ROOT, text=True,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE)
+        processes.append(process)
+        return process
+
+    try:
+        root = start("coordinator", str(DIGITS), "--bind", root_at, "--pub-port", str(ports[1]),
+                     "--workers", "2", "--steps", "12", "--no-progress")
+        for i, at in enumerate(relays_at):
+            start("relay", str(DIGITS), "--connect", root_at, "--bind", at, "--pub-port",
+                  str(ports[3 + 2 * i]), "--workers", "2")
+            for _ in range(2):
+                start("worker", str(DIGITS), "--connect", at)
+        out, err = root.communicate(timeout=120)
+        assert root.returncode == 0, err
+        for process in processes[1:]:
+            _, err = process.communicate(timeout=30)
+            assert process.returncode == 0, err
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+    tree, flat_summary = _summary(out), _summary(flat.stdout)
+    assert tree["steps"] == 12
+    assert tree["accuracy"] == flat_summary["accuracy"]
+    assert tree["test_loss"] == pytest.approx(flat_summary["test_loss"], abs=1e-5)
