@@ -14,6 +14,7 @@ plain ZeroMQ (NULL), as on loopback.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
@@ -60,6 +61,16 @@ class ClientTransport(Protocol):
     async def recv(self) -> list[memoryview]: ...
     async def recv_broadcast(self) -> list[memoryview]: ...
     def close(self) -> None: ...
+
+
+def is_loopback(host: str) -> bool:
+    """Whether HOST (a name or an address) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -165,6 +176,49 @@ class ZmqServer:
         self._context.destroy(linger=0)
 
 
+class ZmqRouter:
+    """A lone ROUTER: a rendezvous that answers requests and publishes nothing (the
+    collectives of custom loops, see nodes.rendezvous)."""
+
+    def __init__(self, bind: str, *, max_message_bytes: int, keys: ServerKeys | None = None) -> None:
+        host, port = split_endpoint(bind)
+        self._context = zmq.asyncio.Context()
+        self._gate: KeyGate | None = None
+        try:
+            if keys is not None:
+                self._gate = KeyGate(self._context, keys.authorized)  # before any bind
+            self._router = self._context.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+            if keys is not None:
+                curve_server(self._router, keys)
+            self._router.bind(f"tcp://{host}:{port or '*'}")
+            self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"cannot bind {bind} ({zmq.strerror(e.errno)}): stop what holds "
+                          "the port, or choose another") from None
+        except BaseException:
+            self.close()
+            raise
+        _, self.port = split_endpoint(self.endpoint)
+
+    async def recv(self) -> tuple[bytes, list[memoryview]]:
+        frames = await self._router.recv_multipart(copy=False)
+        return frames[0].bytes, [f.buffer for f in frames[1:]]
+
+    async def send(self, peer: bytes, frames: Frames) -> Tracker | None:
+        return await _send(self._router, [peer, *frames])
+
+    def close(self, *, linger_s: float = 0.0) -> None:
+        """Close; with `linger_s`, first give queued replies that long to leave (the last
+        answers of a rendezvous whose host process is about to go)."""
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
+        self._context.destroy(linger=round(linger_s * 1000))
+
+
 class ZmqClient:
     """A worker's sockets: a DEALER to the coordinator's ROUTER and a SUB to its PUB."""
 
@@ -179,6 +233,7 @@ class ZmqClient:
         self._monitor: zmq.Socket[Any] | None = None
         self._connected = False
         self._handshake_failure: str | None = None
+        self._curve = keys is not None
         try:
             for socket in (self._dealer, self._sub):
                 socket.setsockopt(zmq.LINGER, 0)
@@ -205,17 +260,21 @@ class ZmqClient:
             except zmq.Again:
                 break
             kind, value = event["event"], event["value"]
+            failed = kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                              zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected, self._handshake_failure = True, None
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and (
-                    value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+            elif failed and (not self._curve or (
+                    kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)):
+                # Any handshake failure of a client without keys is a mismatch (a server
+                # without keys refuses nobody), whatever detail reached us: under load the
+                # server may close before the mismatch event is raised here.
                 self._handshake_failure = HANDSHAKE_MECHANISM
-            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-                          zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            elif failed and self._handshake_failure != HANDSHAKE_MECHANISM:
                 # A mismatch, once seen, is the diagnosis: a retry after it may fail with
                 # less detail (seen under load), which must not hide it.
-                if self._handshake_failure != HANDSHAKE_MECHANISM:
-                    self._handshake_failure = HANDSHAKE_REFUSED
+                self._handshake_failure = HANDSHAKE_REFUSED
             elif kind == zmq.EVENT_CONNECTED:
                 self._connected = True
         if self._handshake_failure is not None:

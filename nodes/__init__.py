@@ -1,7 +1,14 @@
 """The nodes: the Coordinator (parameter server) and the Worker, with their configuration;
 for custom topologies, the Relay (hierarchical aggregation) and ShardModel (a sharded
-parameter server: one Coordinator per shard)."""
+parameter server: one Coordinator per shard); for custom training loops, Group (allreduce,
+broadcast, allgather, barrier over a rendezvous: see nodes.collectives)."""
 
+from nodes.collectives import (
+    CollectiveMismatchError,
+    Group,
+    GroupFailedError,
+    GroupServer,
+)
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import Coordinator, Progress, State, TrainingError
 from nodes.relay import Relay
@@ -9,10 +16,14 @@ from nodes.shards import ShardModel, assemble
 from nodes.worker import ComputeError, DataError, Worker, WorkerReport
 
 __all__ = [
+    "CollectiveMismatchError",
     "ComputeError",
     "Coordinator",
     "CoordinatorConfig",
     "DataError",
+    "Group",
+    "GroupFailedError",
+    "GroupServer",
     "Progress",
     "Relay",
     "ShardModel",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ import torch
 
 from bus.errors import HandshakeError, PeerTimeoutError, RejectedError
 from bus.security import load_client_keys, load_server_keys, make_keys
-from bus.transport import new_event_loop, split_endpoint
+from bus.transport import is_loopback, new_event_loop, split_endpoint
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import TrainingError
 from nodes.relay import Relay
@@ -102,7 +101,7 @@ def _local(args: argparse.Namespace) -> int:
 def _coordinator(args: argparse.Namespace) -> int:
     args.bind, args.workers = _served(args)
     host, _ = split_endpoint(args.bind)
-    if args.keys is None and not args.insecure and not _is_loopback(host):
+    if args.keys is None and not args.insecure and not is_loopback(host):
         raise ValueError(
             f"--bind {args.bind} is not a loopback address and no --keys were given: anyone "
             "who can reach it could join and read the weights; make keys with `tensorbus keys "
@@ -129,7 +128,7 @@ def _relay(args: argparse.Namespace) -> int:
     """`tensorbus relay`: a coordinator to --workers local workers, a worker of --connect."""
     host, _ = split_endpoint(args.bind)
     split_endpoint(args.connect)
-    if args.keys is None and not args.insecure and not _is_loopback(host):
+    if args.keys is None and not args.insecure and not is_loopback(host):
         raise ValueError(
             f"--bind {args.bind} is not a loopback address and no --keys were given: anyone "
             "who can reach it could join and read the weights; make keys with `tensorbus keys "
@@ -273,15 +272,6 @@ def _shard(text: str) -> tuple[int, int]:
 def _device(name: str) -> str:
     """A worker's --device, with auto and cuda resolved by its local rank (run.device)."""
     return device.resolve(name, cluster.placement(os.environ).local_rank)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

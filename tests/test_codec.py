@@ -45,6 +45,7 @@ from bus.messages import (
     PROTOCOL_VERSION,
     SCHEMA,
     Ack,
+    Collective,
     Heartbeat,
     Join,
     Kind,
@@ -54,6 +55,7 @@ from bus.messages import (
     Ready,
     Reject,
     RejectCode,
+    Result,
     Stop,
     Weights,
     Welcome,
@@ -158,6 +160,11 @@ SAMPLES = {
     Kind.STOP: Stop(sender=COORDINATOR, request=17, version=9, reason="stopped"),
     Kind.REJECT: Reject(sender=COORDINATOR, request=18, version=9, code="layout",
                         detail="buffer 0 is torch.float64[6]"),
+    Kind.COLLECTIVE: Collective(sender=2, request=19, version=1, op="broadcast", seq=18, size=4,
+                                timeout_s=30.0, spec="float32[6]", reduce="sum", root=2,
+                                host="node7", tensors=WEIGHTS[:1]),
+    Kind.RESULT: Result(sender=COORDINATOR, request=19, version=1, seq=18, outcome="mismatch",
+                        detail="rank 1 called barrier()", tensors=WEIGHTS),
 }
 
 
@@ -416,7 +423,7 @@ def test_extra_header_key(key):
     assert_malformed(repack(header, payload), "header keys")
 
 
-@pytest.mark.parametrize("kind", [0, 12, 99, -1, 2**40, "push", "4", 4.0, True, None, [4]])
+@pytest.mark.parametrize("kind", [0, int(max(Kind)) + 1, 99, -1, 2**40, "push", "4", 4.0, True, None, [4]])
 def test_unknown_kind(kind):
     header, payload = split(two_tensor_push())
     header["k"] = kind
