@@ -46,6 +46,7 @@ import torch
 
 from bus.buffers import wait_sent
 from bus.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
+from bus.deadline import within
 from bus.errors import PeerTimeoutError, RejectedError
 from bus.messages import Collective, CollectiveOp, Outcome, ReduceOp, Reject, Result
 from bus.pieces import copy_into, whole
@@ -71,6 +72,7 @@ DEFAULT_JOIN_TIMEOUT_S: Final = 300.0  # the join: ranks start at different time
 # timeout, between 0.5 and 5 s.
 RENDEZVOUS_GRACE_S: Final = 5.0
 LINGER_S: Final = 2.0  # how long a closing host gives its last answers to leave
+LOCAL_S: Final = 30.0  # a bound on what needs no peer: binding, closing, the bus thread
 
 
 class CollectiveMismatchError(Exception):
@@ -142,7 +144,7 @@ class Group:
         group = cls(rank=rank, size=size, endpoint=endpoint, timeout=timeout,
                     max_message_bytes=max_message_bytes, keys=keys)
         try:
-            group._loop.run(group._open(hosting, server_keys), timeout=None)
+            group._loop.run(group._open(hosting, server_keys), timeout=LOCAL_S)
             numbers = group._call(CollectiveOp.JOIN, None, timeout=join_timeout)
             hosts = numbers[0].tolist() if numbers else [0] * size
         except BaseException:
@@ -218,7 +220,7 @@ class Group:
         except (PeerTimeoutError, RejectedError, CollectiveMismatchError, GroupFailedError) as e:
             log.warning("rank %d: closing without the others: %s", self.rank, e)
         finally:
-            self._loop.run(self._shut(), timeout=None)
+            self._loop.run(self._shut(), timeout=LOCAL_S)
             self._loop.stop()
 
     async def _shut(self) -> None:
@@ -266,7 +268,10 @@ class Group:
     async def _exchange(self, call: Collective) -> tuple[Any, ...]:
         assert self._client is not None
         what = f"{describe(call)} as collective {call.seq}"
-        tracker = await self._client.send(encode(call))
+        # The send has a deadline too: a DEALER whose peer is gone may block in send.
+        tracker = await within(self._client.send(encode(call)), call.timeout_s,
+                               peer=f"the rendezvous at {self.endpoint}",
+                               waiting_for=f"sending {what}")
         waited = call.timeout_s + _grace(call.timeout_s)
         deadline = time.monotonic() + waited
         while True:
@@ -309,7 +314,7 @@ class GroupServer:
         self._loop = _LoopThread("tensorbus-rendezvous")
         try:
             self._server = self._loop.run(_started(bind, size, keys, max_message_bytes),
-                                          timeout=None)
+                                          timeout=LOCAL_S)
         except BaseException:
             self._loop.stop()
             raise
@@ -322,7 +327,7 @@ class GroupServer:
 
     def close(self) -> None:
         if self._loop.running:
-            self._loop.run(self._server.close(linger_s=LINGER_S), timeout=None)
+            self._loop.run(self._server.close(linger_s=LINGER_S), timeout=LOCAL_S)
             self._loop.stop()
 
     def __enter__(self) -> Self:
@@ -364,8 +369,9 @@ class _LoopThread:
     def stop(self) -> None:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-        self._loop.close()
+            self._thread.join(timeout=LOCAL_S)
+        if not self._thread.is_alive():  # a loop still running cannot be closed
+            self._loop.close()
 
 
 def _grace(timeout: float) -> float:

@@ -100,13 +100,7 @@ def _local(args: argparse.Namespace) -> int:
 
 def _coordinator(args: argparse.Namespace) -> int:
     args.bind, args.workers = _served(args)
-    host, _ = split_endpoint(args.bind)
-    if args.keys is None and not args.insecure and not is_loopback(host):
-        raise ValueError(
-            f"--bind {args.bind} is not a loopback address and no --keys were given: anyone "
-            "who can reach it could join and read the weights; make keys with `tensorbus keys "
-            "DIR` and pass --keys DIR, or pass --insecure to accept that"
-        )
+    _refuse_public_bind(args)
     spec = load_spec(args.spec)
     progress = ProgressLine(sys.stderr) if not args.no_progress else None
     shard, _ = args.shard or (0, 1)
@@ -126,13 +120,8 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 def _relay(args: argparse.Namespace) -> int:
     """`tensorbus relay`: a coordinator to --workers local workers, a worker of --connect."""
-    host, _ = split_endpoint(args.bind)
+    _refuse_public_bind(args)
     split_endpoint(args.connect)
-    if args.keys is None and not args.insecure and not is_loopback(host):
-        raise ValueError(
-            f"--bind {args.bind} is not a loopback address and no --keys were given: anyone "
-            "who can reach it could join and read the weights; make keys with `tensorbus keys "
-            "DIR` and pass --keys DIR, or pass --insecure to accept that")
     spec = load_spec(args.spec)
     options = {"average_every": args.average_every} if args.average_every is not None else {}
     if args.strategy == "sync" and options:
@@ -272,6 +261,16 @@ def _shard(text: str) -> tuple[int, int]:
 def _device(name: str) -> str:
     """A worker's --device, with auto and cuda resolved by its local rank (run.device)."""
     return device.resolve(name, cluster.placement(os.environ).local_rank)
+
+
+def _refuse_public_bind(args: argparse.Namespace) -> None:
+    """A coordinator's (or relay's) --bind off loopback needs --keys, or --insecure."""
+    host, _ = split_endpoint(args.bind)
+    if args.keys is None and not args.insecure and not is_loopback(host):
+        raise ValueError(
+            f"--bind {args.bind} is not a loopback address and no --keys were given: anyone "
+            "who can reach it could join and read the weights; make keys with `tensorbus keys "
+            "DIR` and pass --keys DIR, or pass --insecure to accept that")
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

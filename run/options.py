@@ -170,11 +170,11 @@ def make_coordinators(
         return [make_coordinator(spec, options, bind=bind, on_step=on_step)]
     evaluate = spec.evaluate
     shards: list[ShardModel] = []
-    whole = spec.build_model()  # filled with the shards' weights, for evaluate
 
     def assembled(_: torch.nn.Module) -> dict[str, float]:
         assert evaluate is not None
-        return evaluate(assemble(whole, shards))
+        # A whole model, built at the end only, filled with every shard's weights.
+        return evaluate(assemble(spec.build_model(), shards))
 
     coordinators = [
         make_coordinator(spec, options, bind=bind, on_step=on_step, shard=i,
