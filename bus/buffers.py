@@ -69,4 +69,6 @@ async def wait_sent(tracker: Tracker | None, *, timeout: float, what: str) -> No
         if time.monotonic() > deadline:
             raise PeerTimeoutError("ZeroMQ", f"the send of {what}", timeout)
         await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.01)
+        # Not much longer than a millisecond: a waiter usually waits for a peer's last
+        # step (in-process, the frames are let go of when it is done with them).
+        delay = min(delay * 2, 0.001)

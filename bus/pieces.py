@@ -69,10 +69,53 @@ def copy_into(flat: torch.Tensor, tensor: Received) -> None:
         flat[offset : offset + part.numel()].copy_(part)
 
 
-def add_into(flat: torch.Tensor, tensor: Received) -> None:
-    """flat += tensor, in place (the part's dtype may be narrower: bf16 adds into fp32)."""
-    for offset, part in spans(tensor):
-        flat[offset : offset + part.numel()].add_(part)
+def sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float = 1.0,
+             *, block: int = 1 << 18) -> None:
+    """flat[:] = scale * (the sum of `tensors`, in the given order), in place.
+
+    Block by block (`block` elements, about a megabyte): each block of `flat` is written
+    from the first tensor, added into from the others and scaled while it is in cache,
+    instead of one pass over the whole buffer per tensor and one more for the scale. The
+    tensors may arrive cut at different places (and in a narrower dtype).
+    """
+    count = flat.numel()
+    if not tensors:
+        raise ValueError("sum_into needs at least one tensor")
+    for t in tensors:
+        if t.numel() != count:
+            raise ValueError(f"a tensor of {t.numel()} elements for a buffer of {count}")
+    walkers = [_Walker(t) for t in tensors]
+    for start in range(0, count, block):
+        stop = min(count, start + block)
+        out = flat[start:stop]
+        for i, walker in enumerate(walkers):
+            for lo, part in walker.cover(start, stop):
+                target = out[lo - start : lo - start + part.numel()]
+                if i == 0:
+                    target.copy_(part)
+                else:
+                    target.add_(part)
+        if scale != 1.0:
+            out.mul_(scale)
+
+
+class _Walker:
+    """The parts of a received tensor that cover [start, stop), for ascending ranges."""
+
+    def __init__(self, tensor: Received) -> None:
+        self._spans = list(spans(tensor))
+        self._at = 0  # the first part that may still overlap
+
+    def cover(self, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor]]:
+        spans_ = self._spans
+        while spans_[self._at][0] + spans_[self._at][1].numel() <= start:
+            self._at += 1
+        i = self._at
+        while i < len(spans_) and spans_[i][0] < stop:
+            offset, part = spans_[i]
+            lo, hi = max(start, offset), min(stop, offset + part.numel())
+            yield lo, part[lo - offset : hi - offset]
+            i += 1
 
 
 def all_finite(tensor: Received) -> bool:

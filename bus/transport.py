@@ -5,6 +5,12 @@ their logic does not depend on how bytes move. Every socket lingers 0 ms on clos
 closing never waits on a peer that is gone, and receiving sockets refuse frames larger than
 the model allows (ZeroMQ drops the connection of a peer that sends one).
 
+A `Hub` is one ZeroMQ context shared by the nodes of one process: a coordinator bound with
+a hub is also reachable at `inproc://` endpoints, and a worker whose link uses the same
+hub connects there, so that a worker and the coordinator shard it hosts (nodes.colocated)
+talk without TCP and without copying: a frame sent over inproc is the sender's own memory
+until the receiver lets go of it, so the zero-copy rules of `bus.buffers` reach across.
+
 With keys (see `bus.security`) every socket speaks CURVE: the ROUTER and PUB are CURVE
 servers behind a `KeyGate` that admits only the authorized worker keys, and the DEALER and
 SUB are CURVE clients pinned to the coordinator's public key. Without keys the sockets speak
@@ -14,6 +20,7 @@ plain ZeroMQ (NULL), as on loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
@@ -63,6 +70,25 @@ class ClientTransport(Protocol):
     def close(self) -> None: ...
 
 
+class Hub:
+    """A ZeroMQ context shared by the nodes of one process (for inproc:// links).
+
+    Sockets made on it are closed by their owners; `close` ends the context itself, after
+    every node that uses it has closed.
+    """
+
+    def __init__(self) -> None:
+        self.context = zmq.asyncio.Context()
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+def _inproc(port: int) -> tuple[str, str]:
+    """The in-process endpoints (requests, broadcasts) of a server bound to `port`."""
+    return f"inproc://tensorbus-{port}", f"inproc://tensorbus-{port}-broadcasts"
+
+
 def is_loopback(host: str) -> bool:
     """Whether HOST (a name or an address) is this machine's loopback."""
     if host == "localhost":
@@ -109,9 +135,12 @@ class ZmqServer:
         max_message_bytes: int,
         pub_port: int | None = None,
         keys: ServerKeys | None = None,
+        hub: Hub | None = None,
     ) -> None:
         host, port = split_endpoint(bind)
-        self._context = zmq.asyncio.Context()
+        self._hub = hub
+        self._context = hub.context if hub is not None else zmq.asyncio.Context()
+        self._sockets: list[zmq.asyncio.Socket] = []
         self._keys = keys
         self._gate: KeyGate | None = None
         try:
@@ -132,6 +161,14 @@ class ZmqServer:
             want = pub_port if pub_port is not None else (port + 1 if port else 0)
             self._pub.bind(f"tcp://{host}:{want or '*'}")
             _, self.pub_port = split_endpoint(self._pub.getsockopt(zmq.LAST_ENDPOINT).decode())
+            # With a hub, also in-process: for a worker of this process (after the tcp
+            # binds, which LAST_ENDPOINT above must name).
+            self.inproc_endpoint = ""
+            if hub is not None:
+                requests, broadcasts = _inproc(bound)
+                self._router.bind(requests)
+                self._pub.bind(broadcasts)
+                self.inproc_endpoint = requests
         except zmq.ZMQError as e:
             self.close()
             raise OSError(
@@ -151,6 +188,7 @@ class ZmqServer:
 
     def _socket(self, kind: int, max_message_bytes: int) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
+        self._sockets.append(socket)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if self._keys is not None:
@@ -173,7 +211,11 @@ class ZmqServer:
         if self._gate is not None:
             self._gate.close()
             self._gate = None
-        self._context.destroy(linger=0)
+        if self._hub is None:
+            self._context.destroy(linger=0)
+        else:  # the hub's context outlives us: close only our sockets
+            for socket in self._sockets:
+                socket.close(linger=0)
 
 
 class ZmqRouter:
@@ -223,10 +265,17 @@ class ZmqClient:
     """A worker's sockets: a DEALER to the coordinator's ROUTER and a SUB to its PUB."""
 
     def __init__(
-        self, connect: str, *, max_message_bytes: int, keys: ClientKeys | None = None
+        self, connect: str, *, max_message_bytes: int, keys: ClientKeys | None = None,
+        hub: Hub | None = None,
     ) -> None:
-        self._host, _ = split_endpoint(connect)
-        self._context = zmq.asyncio.Context()
+        # inproc://: a coordinator of this process bound with the same hub.
+        self._inproc = connect.startswith("inproc://")
+        if self._inproc and hub is None:
+            raise ValueError(f"{connect} is in-process: it needs the Hub its coordinator uses")
+        self._host = "" if self._inproc else split_endpoint(connect)[0]
+        self._connect = connect
+        self._hub = hub
+        self._context = hub.context if hub is not None else zmq.asyncio.Context()
         self._dealer = self._context.socket(zmq.DEALER)
         self._sub = self._context.socket(zmq.SUB)
         # The DEALER's connection events, read without the loop (see `connection_problem`).
@@ -246,6 +295,7 @@ class ZmqClient:
             self._monitor.setsockopt(zmq.LINGER, 0)
             self._monitor.connect(address)
             self._dealer.connect(connect)
+            self._connected = self._inproc  # inproc connects at once, with no events
         except BaseException:
             self.close()
             raise
@@ -283,7 +333,10 @@ class ZmqClient:
 
     def subscribe(self, pub_port: int) -> None:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(f"tcp://{self._host}:{pub_port}")
+        if self._inproc:
+            self._sub.connect(self._connect + "-broadcasts")
+        else:
+            self._sub.connect(f"tcp://{self._host}:{pub_port}")
 
     async def send(self, frames: Frames) -> Tracker | None:
         return await _send(self._dealer, frames)
@@ -298,7 +351,13 @@ class ZmqClient:
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None
-        self._context.destroy(linger=0)
+        if self._hub is None:
+            self._context.destroy(linger=0)
+        else:  # the hub's context outlives us: close only our sockets
+            with contextlib.suppress(zmq.ZMQError):
+                self._dealer.disable_monitor()
+            for socket in (self._dealer, self._sub):
+                socket.close(linger=0)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

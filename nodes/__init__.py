@@ -1,6 +1,7 @@
 """The nodes: the Coordinator (parameter server) and the Worker, with their configuration;
 for custom topologies, the Relay (hierarchical aggregation) and ShardModel (a sharded
-parameter server: one Coordinator per shard); for custom training loops, Group (allreduce,
+parameter server: one Coordinator per shard) and Colocated (a worker that serves one
+shard of the parameters); for custom training loops, Group (allreduce,
 broadcast, allgather, barrier over a rendezvous: see nodes.collectives)."""
 
 from nodes.collectives import (
@@ -9,6 +10,7 @@ from nodes.collectives import (
     GroupFailedError,
     GroupServer,
 )
+from nodes.colocated import Colocated
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import Coordinator, Progress, State, TrainingError
 from nodes.relay import Relay
@@ -17,6 +19,7 @@ from nodes.worker import ComputeError, DataError, Worker, WorkerReport
 
 __all__ = [
     "CollectiveMismatchError",
+    "Colocated",
     "ComputeError",
     "Coordinator",
     "CoordinatorConfig",

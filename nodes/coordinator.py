@@ -42,8 +42,8 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.pieces import Received, add_into, all_finite, copy_into
-from bus.transport import ZmqServer
+from bus.pieces import Received, all_finite, sum_into
+from bus.transport import Hub, ZmqServer
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
@@ -150,7 +150,10 @@ class Coordinator:
         lr: float = 0.01,
         evaluate: Evaluate | None = None,
         on_step: Callable[[Progress], None] | None = None,
+        hub: Hub | None = None,
     ) -> None:
+        """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
+        (by the worker beside a colocated shard: see nodes.colocated)."""
         if isinstance(model, ShardModel) and config.eval_every_s:
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
@@ -158,6 +161,7 @@ class Coordinator:
         self.model = model
         self.strategy = strategy
         self.config = config
+        self._hub = hub
         self.flat = FlatModel(model)
         self.lr = lr  # handed to workers that own their optimizers
         self._weights_pushed = strategy.rhythm.push is PushKind.WEIGHTS
@@ -223,12 +227,19 @@ class Coordinator:
             raise RuntimeError("the coordinator is not bound yet: call bind() or run()")
         return self._server.endpoint
 
+    @property
+    def inproc_endpoint(self) -> str:
+        """Where a worker of this process reaches us in-process (bound with a hub)."""
+        if self._server is None or not self._server.inproc_endpoint:
+            raise RuntimeError("the coordinator is not bound with a hub: give it hub= and bind()")
+        return self._server.inproc_endpoint
+
     def bind(self) -> str:
         """Bind the sockets now (so that the endpoint is known); `run` binds if not done."""
         if self._server is None:
             self._server = ZmqServer(
                 self.config.bind, max_message_bytes=self._max_bytes, pub_port=self.config.pub_port,
-                keys=self.config.keys,
+                keys=self.config.keys, hub=self._hub,
             )
             log.info("listening on %s (broadcasts on port %d)", self.endpoint, self._server.pub_port)
         return self.endpoint
@@ -344,6 +355,9 @@ class Coordinator:
                                                detail=str(e)[:1000]))
                 continue
             await self._dispatch(peer, message)
+            # Let go of the frames now, not when the next message comes: sent in-process,
+            # they are the sender's memory, which it may not write until we are done.
+            del frames, message
 
     async def _dispatch(self, peer: bytes, message: Message) -> None:
         now = time.monotonic()
@@ -358,7 +372,8 @@ class Coordinator:
                                "not a member: join first (or again, if removed)")
             return
         member.last_seen = now
-        if self.state is State.STOPPING and not isinstance(message, Leave | Heartbeat):
+        # Stopping, a worker may still fetch the final weights (a Pull) before it leaves.
+        if self.state is State.STOPPING and not isinstance(message, Leave | Heartbeat | Pull):
             await self._reply(peer, Stop(request=message.request, version=self.version))
             return
         match message:
@@ -536,6 +551,8 @@ class Coordinator:
         await self._update([h.tensors for h in held], decision.scale,
                            loss=sum(h.loss for h in held) / len(held),
                            samples=sum(h.samples for h in held))
+        for h in held:
+            h.tensors = ()  # reduced: let go of the frames (see _receive)
         if self.state is State.STOPPING:
             return  # a relay whose upstream stopped while it waited: no new version
         self.watch.span("apply", started, version=self.version + 1, workers=list(decision.workers))
@@ -588,13 +605,8 @@ class Coordinator:
         buffers."""
         with torch.no_grad():
             for b, mean in enumerate(self.flat.grads):
-                copy_into(mean, updates[0][b])  # read where they arrived: no copy before
-                for update in updates[1:]:
-                    add_into(mean, update[b])
-                if len(updates) > 1:
-                    mean.div_(len(updates))
-                if scale != 1.0:
-                    mean.mul_(scale)
+                # Read where they arrived (no copy before), a block at a time.
+                sum_into(mean, [update[b] for update in updates], scale / len(updates))
 
     def _step(self, updates: list[tuple[Received, ...]], scale: float) -> None:
         """Average the updates and take one step with the result.
@@ -733,7 +745,7 @@ class Coordinator:
         while (self._broadcast is not None and not self._broadcast.done
                and time.monotonic() < until):
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            delay = min(delay * 2, 0.001)
         async with self._step_lock:  # never copy weights that a step is writing
             stopping = self.state in (State.STOPPING, State.STOPPED)
             if not stopping and self._snapshot is not None and self._snapshot.version < self.version:

@@ -1,9 +1,21 @@
 """A model whose parameters and gradients live in flat per-dtype buffers.
 
-Both nodes keep a model this way: parameters are views into `weights` and gradients views
-into `grads`, so that a whole model goes on the wire as one buffer per dtype and arrives
-into place with one copy per bucket, with no per-parameter frames or concatenation.
+Both nodes keep a model this way: parameters are views into `weights` and gradients are
+gathered into `grads`, so that a whole model goes on the wire as one buffer per dtype and
+arrives into place with one copy per bucket, with no per-parameter frames or concatenation.
 Only parameters take part: a model's buffers (running statistics) stay local to each node.
+
+Gradients are captured by hooks as backward produces them (`begin_backward`): each
+parameter starts the backward pass without a `.grad`, so autograd hands it its fresh
+gradient without adding it into anything, and a post-accumulate hook copies it into its
+place in the flat buffer at once (one pass over the bytes, where zeroing the buffer and
+accumulating into it would take three). The hook also counts down the parameters of each
+range a caller watches (a coordinator shard's part of the model) and reports a range
+complete while backward is still running: its part can go on the wire while the rest of
+the gradient is being computed.
+
+A worker that pipelines its pushes (async: compute the next gradient while the last one is
+on the wire) keeps two sets of gradient buffers and alternates (`use_grad_sets(2)`, `swap`).
 
 On a GPU the flat buffers live on the device, and what goes on the wire comes from host
 mirrors in pinned memory (`host_grads`, `host_weights`), made once and filled by `stage`
@@ -14,13 +26,16 @@ the mirrors are the buffers themselves and `stage` does nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from bus.layout import Layout
+from bus.layout import Layout, Span
 from bus.pieces import Received, copy_into
+
+OnReady = Callable[[int], None]
 
 
 class FlatModel:
@@ -31,16 +46,59 @@ class FlatModel:
         self._params = [p for _, p in module.named_parameters()]
         self.layout = Layout.of(module.named_parameters())
         self.weights = self._allocate(self.device)
-        self.grads = self._allocate(self.device)
         on_cpu = self.device.type == "cpu"
         # What travels: the buffers themselves on the CPU, pinned mirrors of them on a GPU.
         self.host_weights = self.weights if on_cpu else self._allocate(None, pin=True)
-        self.host_grads = self.grads if on_cpu else self._allocate(None, pin=True)
-        self._grad_views = self.layout.views(self.grads)
+        self._grad_sets: list[tuple[torch.Tensor, ...]] = []
+        self.host_grad_sets: list[tuple[torch.Tensor, ...]] = []
+        self._grad_views: list[list[torch.Tensor]] = []
+        self.use_grad_sets(1)
+        self.current = 0  # the gradient set the next backward fills
         with torch.no_grad():
             for param, view in zip(self._params, self.layout.views(self.weights), strict=True):
                 view.copy_(param)
                 param.data = view
+        # Backward-time bookkeeping (see begin_backward): written by the hooks, which run
+        # on the thread that runs backward, and read there or after backward returned.
+        self._fired = [False] * len(self._params)
+        self._touches: list[tuple[int, ...]] = [() for _ in self._params]  # param -> ranges
+        self._left: list[int] = []  # parameters each watched range still waits for
+        self._on_ready: OnReady | None = None
+        self._ranges = 0
+        self._lock = threading.Lock()  # hooks of one backward may run on several threads
+        for index, param in enumerate(self._params):
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._hook(index))
+        self._bind_grads()
+
+    @property
+    def grads(self) -> tuple[torch.Tensor, ...]:
+        """The gradient buffers the next backward fills (the current set)."""
+        return self._grad_sets[self.current]
+
+    @property
+    def host_grads(self) -> tuple[torch.Tensor, ...]:
+        return self.host_grad_sets[self.current]
+
+    @property
+    def grad_sets(self) -> int:
+        return len(self._grad_sets)
+
+    def use_grad_sets(self, count: int) -> None:
+        """Keep `count` (1 or 2) sets of gradient buffers, making what is missing."""
+        if count not in (1, 2):
+            raise ValueError(f"1 or 2 gradient sets, not {count}")
+        while len(self._grad_sets) < count:
+            grads = self._allocate(self.device)
+            self._grad_sets.append(grads)
+            on_cpu = self.device.type == "cpu"
+            self.host_grad_sets.append(grads if on_cpu else self._allocate(None, pin=True))
+            self._grad_views.append(self.layout.views(grads))
+
+    def swap(self) -> None:
+        """Make the next gradient set current: the last one may still be on the wire while
+        the next backward fills this one."""
+        self.current = (self.current + 1) % len(self._grad_sets)
         self._bind_grads()
 
     def _allocate(self, device: torch.device | None, *, pin: bool = False) -> tuple[torch.Tensor, ...]:
@@ -48,8 +106,71 @@ class FlatModel:
                      for b in self.layout.buckets)
 
     def _bind_grads(self) -> None:
-        for param, view in zip(self._params, self._grad_views, strict=True):
+        for param, view in zip(self._params, self._grad_views[self.current], strict=True):
             param.grad = view
+
+    def watch(self, ranges: Sequence[Sequence[Span]], on_ready: OnReady) -> None:
+        """From now on, report (on the backward thread) each range of `ranges` whose
+        parameters all have their gradients in place: `on_ready(i)` for range i."""
+        entries = self.layout.entries
+        self._touches = [
+            tuple(i for i, spans in enumerate(ranges) for s in spans
+                  if s.bucket == e.bucket and s.start < e.offset + e.numel and e.offset < s.stop)
+            for e in entries]
+        self._ranges = len(ranges)
+        self._on_ready = on_ready
+
+    def begin_backward(self) -> None:
+        """Before backward: let every parameter take its fresh gradient (no .grad yet), to
+        be copied into the current flat set by the hooks."""
+        for param in self._params:
+            param.grad = None
+        self._fired = [False] * len(self._params)
+        if self._on_ready is not None:
+            self._left = [0] * self._ranges
+            for index, param in enumerate(self._params):
+                for r in self._touches[index] if param.requires_grad else ():
+                    self._left[r] += 1
+            # A range with nothing to wait for (no trainable parameter) is ready now.
+            for r, left in enumerate(self._left):
+                if left == 0:
+                    self._on_ready(r)
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            view = self._grad_views[self.current][index]
+            grad = param.grad
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(grad)
+                param.grad = view  # the fresh gradient is freed now, not after backward
+            ready = []
+            with self._lock:
+                if self._fired[index] or self._on_ready is None or not self._left:
+                    self._fired[index] = True
+                    return
+                self._fired[index] = True
+                for r in self._touches[index]:
+                    self._left[r] -= 1
+                    if self._left[r] == 0:
+                        ready.append(r)
+            for r in ready:
+                self._on_ready(r)  # type: ignore[misc]
+        return hook
+
+    def gather_grads(self) -> None:
+        """After backward, make sure every gradient sits in the current flat set and every
+        `.grad` is its view: a parameter that got no gradient gets zeros, and a gradient
+        that autograd left somewhere else (a hook that did not run) is copied home."""
+        views = self._grad_views[self.current]
+        with torch.no_grad():
+            for param, view in zip(self._params, views, strict=True):
+                grad = param.grad
+                if grad is None:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                param.grad = view
 
     def load(self, weights: Sequence[Received]) -> None:
         """Overwrite the weights with received buffers (one copy, straight from the frames)."""
@@ -58,32 +179,23 @@ class FlatModel:
             for dst, src in zip(self.weights, weights, strict=True):
                 copy_into(dst, src)
 
-    def stage(self, *, weights: bool) -> None:
+    def stage(self, *, weights: bool, spans: Sequence[Span] | None = None) -> None:
         """Copy the gradients (or, with `weights`, the weights) to their host mirrors, to be
-        sent; returns once the copies are done. Nothing to do on the CPU."""
+        sent, all of them or only `spans`; returns once the copies are done. Nothing to do
+        on the CPU."""
         if self.device.type == "cpu":
             return
         source, mirror = (self.weights, self.host_weights) if weights else (self.grads, self.host_grads)
         with torch.no_grad():
-            for dst, src in zip(mirror, source, strict=True):
-                dst.copy_(src, non_blocking=True)
+            if spans is None:
+                for dst, src in zip(mirror, source, strict=True):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                for s in spans:
+                    mirror[s.bucket][s.start:s.stop].copy_(source[s.bucket][s.start:s.stop],
+                                                           non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
 
     def zero_grad(self) -> None:
         for g in self.grads:
             g.zero_()
-
-    def gather_grads(self) -> None:
-        """After backward, make sure every gradient sits in the flat buffer.
-
-        Autograd accumulates into an existing `.grad` in place, but may replace it (for a
-        parameter that got no gradient it stays as it was; some ops hand back new tensors):
-        copy any stray gradient home and bind the view again.
-        """
-        with torch.no_grad():
-            for param, view in zip(self._params, self._grad_views, strict=True):
-                grad = param.grad
-                if grad is None or grad.data_ptr() != view.data_ptr():
-                    if grad is not None:
-                        view.copy_(grad)
-                    param.grad = view

@@ -55,7 +55,7 @@ from bus.messages import (
 )
 from bus.pieces import copy_into
 from bus.security import ClientKeys
-from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, ZmqClient
+from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, Hub, ZmqClient
 
 log = logging.getLogger("tensorbus.worker")
 
@@ -85,8 +85,10 @@ class Link:
         *,
         request_timeout_s: float,
         keys: ClientKeys | None = None,
+        hub: Hub | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._hub = hub
         self.layout = shard.layout
         self._weights = weights  # this shard's views of the worker's flat weights
         self._owner = owner
@@ -114,7 +116,7 @@ class Link:
 
     def open(self) -> None:
         self._client = ZmqClient(self.endpoint, max_message_bytes=self.layout.nbytes + 65536,
-                                 keys=self._keys)
+                                 keys=self._keys, hub=self._hub)
         self._receiving = asyncio.create_task(self._replies())
 
     async def close(self) -> None:
@@ -184,6 +186,34 @@ class Link:
         if self._latest is not None and self._latest.version > self.version:
             self.load(self._latest)
         self._latest = None  # drop the frames as soon as they are copied
+
+    def latest(self) -> Weights | None:
+        """The newest weights received and not loaded yet, if any: for a worker that
+        loads them off the loop (`load` them, then `forget_loaded` on the loop)."""
+        latest = self._latest
+        return latest if latest is not None and latest.version > self.version else None
+
+    def forget_loaded(self) -> None:
+        """Let go of received weights that are loaded by now: their frames may be the
+        sender's own memory (in-process links), which it may not reuse while we hold them."""
+        if self._latest is not None and self._latest.version <= self.version:
+            self._latest = None
+
+    async def load_final(self, *, changed: bool = False) -> None:
+        """Once stopped: load the weights of the version the coordinator stopped at, pulling
+        them if their broadcast was missed (a stopping coordinator still answers a Pull),
+        or if the worker has `changed` the loaded ones since (local optimizer steps)."""
+        have = 0 if changed else self.newest()  # (version 0 is never changed: none newer)
+        if have < self._coordinator_version:
+            try:
+                reply = await self.request(Pull(sender=self._owner.rank, version=have),
+                                           timeout=min(self._request_timeout_s, 2.0))
+                if isinstance(reply, Weights) and reply.tensors:
+                    self.load(reply)
+            except (PeerTimeoutError, RejectedError, Stopped) as e:
+                log.warning("worker %d: could not fetch the final weights of version %d from "
+                            "the %s: %s", self._owner.rank, self._coordinator_version, self.peer, e)
+        self.load_latest()
 
     def newest(self) -> int:
         return max(self.version, self._latest.version if self._latest else -1)
@@ -296,6 +326,7 @@ class Link:
             except WireError as e:
                 log.warning("worker %d: bad reply from the %s: %s", self._owner.rank, self.peer, e)
                 continue
+            del frames  # the message holds what it needs of them (see _broadcasts)
             self._heard(message)
             future = self._pending.get(message.request)
             if future is not None and not future.done():
@@ -328,6 +359,9 @@ class Link:
                 case Stop():
                     self.stopped = True
                     self._newer.set()
+            # Let go of the frames now, not when the next broadcast comes: sent in-process,
+            # they are the coordinator's snapshot, which it may not reuse while we hold it.
+            del frames, message
 
     async def _heartbeats(self) -> None:
         assert self._client is not None

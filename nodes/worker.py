@@ -18,9 +18,12 @@ from the newest version each link has seen.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +32,9 @@ from torch import nn
 
 from bus.buffers import Tracker, wait_sent
 from bus.errors import PeerTimeoutError, RejectedError
-from bus.layout import COMPRESSION
-from bus.messages import Ack, Phase, Push, Ready, RejectCode, Welcome
+from bus.layout import COMPRESSION, Span
+from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
+from bus.transport import Hub
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
 from nodes.link import Link, Stopped
@@ -69,7 +73,10 @@ class Worker:
         loss: Loss,
         config: WorkerConfig,
         optimizer: OptimizerFactory | None = None,
+        hub: Hub | None = None,
     ) -> None:
+        """`hub`: this process's shared ZeroMQ context, needed for an inproc:// endpoint
+        (the coordinator shard this worker hosts: see nodes.colocated)."""
         self.config = config
         self.device = torch.device(config.device)
         self.flat = FlatModel(model, self.device)  # moves the model to the device
@@ -88,7 +95,7 @@ class Worker:
         self._shards = [self.flat.layout.shard(i, count) for i in range(count)]
         self.links = [
             Link(endpoint, shard, shard.take(self.flat.weights), self,
-                 request_timeout_s=config.request_timeout_s, keys=config.keys)
+                 request_timeout_s=config.request_timeout_s, keys=config.keys, hub=hub)
             for endpoint, shard in zip(config.endpoints, self._shards, strict=True)
         ]
         self._last_loss: float | None = None
@@ -96,7 +103,11 @@ class Worker:
         self._batches: _Epochs | None = None  # the shard's batches, kept across rejoins
         self._shard: tuple[int, int, int] | None = None  # (rank, world size, batch size) of it
         self.rejoins = 0
-        self._narrow: tuple[torch.Tensor, ...] = ()  # gradients as pushed under --compress
+        # --compress: per gradient set, the buffers gradients travel in (narrower dtype).
+        self._wires: list[tuple[torch.Tensor, ...]] = []
+        self._forward: tuple[float, int] = (math.nan, 0)  # the last forward's loss, samples
+        self._on_range: Callable[[int], None] | None = None  # set while the last backward runs
+        self.flat.watch([shard.spans for shard in self._shards], self._range_done)
 
     @property
     def version(self) -> int:
@@ -109,6 +120,9 @@ class Worker:
         try:
             await self._sessions()
         except Stopped:
+            # Every worker ends holding the final model (as every rank of DDP does).
+            changed = self._optimizer is not None  # local steps since the last load
+            await asyncio.gather(*(link.load_final(changed=changed) for link in self.links))
             await self._leave("stopped", "")
         except asyncio.CancelledError:
             await self._leave("interrupted", "")
@@ -201,7 +215,8 @@ class Worker:
             self._batches = _Epochs(shards, self._describe_data(welcome))
             await asyncio.to_thread(self._batches.skip, welcome.position)
             self._shard = shard
-        if PushKind(welcome.push) is PushKind.WEIGHTS and self._optimizer is None:
+        weights_pushed = PushKind(welcome.push) is PushKind.WEIGHTS
+        if weights_pushed and self._optimizer is None:
             make = self._make_optimizer or (lambda ps: torch.optim.SGD(ps, lr=welcome.lr))
             # In a thread: a first optimizer may import for seconds (torch._dynamo), and the
             # loop must keep beating meanwhile.
@@ -211,73 +226,122 @@ class Worker:
             link.request(Ready(sender=self.rank, version=link.version,
                                batches=self._batches.length), patient=True)
             for link in self.links))
-        batch_iter = self._batches
-        # What goes on the wire: the flat buffers, or their host mirrors on a GPU.
-        pushed = self.flat.host_weights if self._optimizer is not None else self.flat.host_grads
+        # Async holds nobody back: the next gradient is computed, into the other set of
+        # buffers, while this one is on the wire (its answers are taken meanwhile).
+        pipelined = wait is Wait.NOTHING and not weights_pushed
+        if pipelined:
+            self.flat.use_grad_sets(2)
+        # Each shard's part is pushed as soon as backward has finished it, overlapping the
+        # rest of backward, where what is pushed is one backward's gradient.
+        early = not weights_pushed and welcome.local_steps == 1
         narrow = COMPRESSION.get(welcome.compress)
-        self._narrow = ()
-        if narrow is not None and self._optimizer is None:
-            # --compress: gradients go out in a narrower dtype, converted by `_compute` into
-            # buffers made once (the coordinators add them into their fp32 ones).
-            self._narrow = self.flat.layout.on_wire(narrow).allocate()
-            pushed = self._narrow
-        parts = [shard.take(pushed) for shard in self._shards]  # views: what each shard gets
-        sent: list[Tracker | None] = []
+        # What goes on the wire, per gradient set: the flat buffers (or their host mirrors
+        # on a GPU), or under --compress, buffers made once in the narrower dtype that each
+        # finished range is converted into (the coordinators add them into fp32 ones).
+        if weights_pushed:
+            wires = [self.flat.host_weights]
+        elif narrow is not None:
+            wires = [self.flat.layout.on_wire(narrow).allocate() for _ in range(self.flat.grad_sets)]
+        else:
+            wires = self.flat.host_grad_sets
+        self._wires = wires if narrow is not None and not weights_pushed else []
+        parts = [[shard.take(wire) for shard in self._shards] for wire in wires]
+        sent: list[list[Tracker | None]] = [[] for _ in wires]  # each set's last sends
         # Where time goes between computes, reported with the next push (telemetry).
         comm_s = wait_s = 0.0
+        previous: _InFlight | None = None  # pipelined: the last push, not yet answered
         while True:
             started = time.monotonic()
-            # The pushed buffer is written by the next compute or load: the sends must be done.
-            for tracker in sent:
+            if pipelined:
+                self.flat.swap()
+            current = 0 if weights_pushed else self.flat.current
+            # The buffers about to be written must be off the wire.
+            for tracker in sent[current]:
                 await wait_sent(tracker, timeout=self.links[0].timeout_s, what="the last update")
-            for link in self.links:
-                link.load_latest()
             comm_s += time.monotonic() - started
             self._enter(Phase.COMPUTING)
             began, started = time.time(), time.monotonic()
-            loss, samples = await asyncio.to_thread(self._compute, batch_iter, welcome.local_steps)
-            compute_s = time.monotonic() - started
-            self._last_loss = loss
-            self._enter(Phase.PUSHING)
-            computed_on = [link.version for link in self.links]
-            pushes = [Push(sender=self.rank, version=version, clock=self.clock, loss=loss,
-                           samples=samples, tensors=part, began=began, compute_s=compute_s,
-                           comm_s=comm_s, wait_s=wait_s)
-                      for version, part in zip(computed_on, parts, strict=True)]
-            self.clock += 1  # counted when sent, so that heartbeats from now on include it
-            # The answer may be held back by the strategy (ssp's bound): wait while the
-            # coordinator is alive, not against a fixed deadline.
-            started = time.monotonic()
-            answers = await asyncio.gather(*(
-                link.request_tracked(push, patient=True)
-                for link, push in zip(self.links, pushes, strict=True)))
+            # The newest weights each link has are loaded by the compute thread, first.
+            latest = [link.latest() for link in self.links]
+            computed_on = [w.version if w is not None else link.version
+                           for link, w in zip(self.links, latest, strict=True)]
+            ready = [asyncio.get_running_loop().create_future() for _ in self.links]
+            loop = asyncio.get_running_loop()
+            compute = asyncio.ensure_future(asyncio.to_thread(
+                self._compute, latest, welcome.local_steps, current,
+                functools.partial(_announce, loop, ready) if early else None,
+                functools.partial(loop.call_soon_threadsafe, self._forget_loaded)))
+            del latest  # the compute thread lets go of the frames once they are loaded
+            async with _cancelling(compute):
+                if previous is not None:
+                    # The last push's answers, taken while this gradient is computed.
+                    answers = await previous.answers
+                    sent[previous.current] = [tracker for _, tracker in answers]
+                    waits = self._waits([a for a, _ in answers], previous.computed_on, wait)
+                    await asyncio.gather(*(link.await_version(newer_than=v) for link, v in waits))
+                    previous = None
+                pushes = asyncio.ensure_future(asyncio.gather(*(
+                    self._push_when_ready(link, ready[i], compute, computed_on[i],
+                                          parts[current][i], began, started, comm_s, wait_s)
+                    for i, link in enumerate(self.links))))
+                async with _cancelling(pushes):
+                    self._last_loss = (await compute)[0]
+                    self.clock += 1  # counted once sent: heartbeats from now on include it
+                    self._enter(Phase.PUSHING)
+                    if pipelined:
+                        previous = _InFlight(pushes, computed_on, current)
+                        comm_s = wait_s = 0.0
+                        continue
+                    answers = await pushes
             answered = time.monotonic()
+            sent[current] = [tracker for _, tracker in answers]
             acks = [ack for ack, _ in answers]
-            sent = [tracker for _, tracker in answers]
             # Held back by the strategy (ssp's bound) for as long as the longest-holding shard.
             held_s = min(max(max(a.held_s, 0.0) if isinstance(a, Ack) else 0.0 for a in acks),
                          answered - started)
             comm_s, wait_s = answered - started - held_s, held_s
-            # What to wait for, shard by shard, is the strategy's (see strategies.base.Wait);
-            # an update dropped as late waits for the version it missed, then computes again
-            # (it does not count for its version).
-            waits: list[tuple[Link, int]] = []
-            for link, ack, version in zip(self.links, acks, computed_on, strict=True):
-                if isinstance(ack, Ack) and ack.dropped:
-                    log.info("worker %d: update on version %d dropped by the %s (%s)",
-                             self.rank, version, link.peer, ack.dropped)
-                    if ack.version > version:
-                        # Late: catch up first (pulling, if the broadcast was missed), or
-                        # this worker would compute on the old version again, and again.
-                        waits.append((link, ack.version - 1))
-                elif wait is Wait.NEWER:
-                    waits.append((link, version))
-                elif wait is Wait.ANSWERED and ack.version > link.version:
-                    waits.append((link, ack.version - 1))
+            waits = self._waits(acks, computed_on, wait)
             if waits:
                 self._enter(Phase.WAITING)
                 await asyncio.gather(*(link.await_version(newer_than=v) for link, v in waits))
             wait_s += time.monotonic() - answered
+
+    async def _push_when_ready(
+        self, link: Link, ready: asyncio.Future[None], compute: asyncio.Future[tuple[float, int]],
+        version: int, part: tuple[torch.Tensor, ...], began: float, started: float,
+        comm_s: float, wait_s: float,
+    ) -> tuple[Message, Tracker | None]:
+        """Send this shard its part once backward has finished it (or the compute is over)
+        and return its answer. The answer may be held back by the strategy (ssp's bound):
+        it is awaited while the coordinator is alive, not against a fixed deadline."""
+        await asyncio.wait({ready, compute}, return_when=asyncio.FIRST_COMPLETED)
+        if compute.done():
+            loss, samples = compute.result()
+        else:
+            loss, samples = self._forward
+        push = Push(sender=self.rank, version=version, clock=self.clock, loss=loss,
+                    samples=samples, tensors=part, began=began,
+                    compute_s=time.monotonic() - started, comm_s=comm_s, wait_s=wait_s)
+        return await link.request_tracked(push, patient=True)
+
+    def _waits(self, acks: list[Message], computed_on: list[int], wait: Wait) -> list[tuple[Link, int]]:
+        """What to wait for, shard by shard, once pushes are answered: the strategy's rhythm
+        (see strategies.base.Wait); an update dropped as late waits for the version it
+        missed, then computes again (it does not count for its version)."""
+        waits: list[tuple[Link, int]] = []
+        for link, ack, version in zip(self.links, acks, computed_on, strict=True):
+            if isinstance(ack, Ack) and ack.dropped:
+                log.info("worker %d: update on version %d dropped by the %s (%s)",
+                         self.rank, version, link.peer, ack.dropped)
+                if ack.version > version:
+                    # Late: catch up first (pulling, if the broadcast was missed), or this
+                    # worker would compute on the old version again, and again.
+                    waits.append((link, ack.version - 1))
+            elif wait is Wait.NEWER:
+                waits.append((link, version))
+            elif wait is Wait.ANSWERED and ack.version > link.newest():
+                waits.append((link, ack.version - 1))
+        return waits
 
     def _load(self, welcome: Welcome) -> Iterable[Any]:
         try:
@@ -288,39 +352,91 @@ class Worker:
     def _describe_data(self, welcome: Welcome) -> str:
         return f"data(rank={self.rank}, world_size={welcome.world_size}, batch_size={welcome.batch_size})"
 
-    def _compute(self, batches: _Epochs, local_steps: int) -> tuple[float, int]:
-        """`local_steps` gradients (each followed by a local optimizer step when this worker
-        owns one); the last gradient stays in the flat buffer. Runs in a thread: touches
-        only the model. Returns the mean loss and the samples seen."""
+    def _compute(
+        self, latest: list[Weights | None], local_steps: int, current: int,
+        announce: Callable[[int], None] | None, loaded: Callable[[], None] | None = None,
+    ) -> tuple[float, int]:
+        """Load the newest weights each link has, then compute `local_steps` gradients
+        (each followed by a local optimizer step when this worker owns one) into gradient
+        set `current`. Each shard's range of the last gradient is made ready to send
+        (converted under --compress, copied to the host on a GPU) as soon as backward has
+        finished it, and `announce`d, so that it can go out while backward goes on. Runs in
+        a thread: touches only the model. Returns the mean loss and the samples seen."""
+        for i, link in enumerate(self.links):
+            weights, latest[i] = latest[i], None  # hold no frames once loaded (see below)
+            if weights is not None:
+                link.load(weights)
+            del weights
+        if loaded is not None:
+            loaded()  # the links let go of the frames too: their senders may reuse them
+        finished: set[int] = set()
+
+        def finish(i: int) -> None:
+            if i not in finished:
+                finished.add(i)
+                self._finish(self._shards[i].spans, current)
+                if announce is not None:
+                    announce(i)
+
         total_loss, samples = 0.0, 0
-        for _ in range(local_steps):
+        for step in range(local_steps):
             self.config.faults.before_step(self.steps)
-            inputs, targets = batches.next()
-            if self.device.type != "cpu":
-                inputs = inputs.to(self.device, non_blocking=True)
-                targets = targets.to(self.device, non_blocking=True)
-            self.flat.zero_grad()
+            inputs, targets = self._batches_next()
+            self.flat.begin_backward()
+            self._on_range = finish if step == local_steps - 1 else None
             try:
                 loss = self._loss(self._model(inputs), targets)
+                figure = float(loss.detach())
+                self._forward = (figure, len(inputs))  # what an early push reports
                 loss.backward()
             except Exception as e:
                 raise ComputeError(
                     f"worker {self.rank}: forward, loss or backward raised {type(e).__name__}: {e}"
                 ) from e
+            finally:
+                self._on_range = None
             self.flat.gather_grads()
             if self._optimizer is not None:
                 self._optimizer.step()
             self.steps += 1
-            total_loss += float(loss.detach())
+            total_loss += figure
             samples += len(inputs)
-        # The buffers pushed last time are sent (`_train` waited): fill them anew.
-        if self._narrow:  # converted (on a GPU: and copied to the host) in one copy
-            with torch.no_grad():
-                for dst, src in zip(self._narrow, self.flat.grads, strict=True):
-                    dst.copy_(src)
+        if self._optimizer is not None:
+            self.flat.stage(weights=True)
         else:
-            self.flat.stage(weights=self._optimizer is not None)
+            for i in range(len(self._shards)):  # those backward did not report (no hook ran)
+                finish(i)
         return total_loss / local_steps, samples
+
+    def _forget_loaded(self) -> None:
+        for link in self.links:
+            link.forget_loaded()
+
+    def _range_done(self, i: int) -> None:
+        """Called on the backward thread when shard i's range has all its gradients."""
+        on_range = self._on_range
+        if on_range is not None:
+            on_range(i)
+
+    def _finish(self, spans: Sequence[Span], current: int) -> None:
+        """Make these ranges of gradient set `current` ready to send: into the narrower
+        wire buffers under --compress (one converting copy, from the device on a GPU),
+        else staged to the host mirrors (nothing to do on the CPU)."""
+        if self._wires:
+            wire, grads = self._wires[current], self.flat.grads
+            with torch.no_grad():
+                for s in spans:
+                    wire[s.bucket][s.start:s.stop].copy_(grads[s.bucket][s.start:s.stop])
+        else:
+            self.flat.stage(weights=False, spans=spans)
+
+    def _batches_next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._batches is not None
+        inputs, targets = self._batches.next()
+        if self.device.type != "cpu":
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+        return inputs, targets
 
     async def _leave(self, reason: str, detail: str) -> None:
         """Say goodbye to every coordinator shard, briefly: they may already be gone."""
@@ -377,3 +493,33 @@ class _Epochs:
             raise DataError(f"{self._described} must yield (input, target) tensor pairs, "
                             f"got {type(batch).__name__}")
         return batch[0], batch[1]
+
+
+@dataclass
+class _InFlight:
+    """A push on the wire whose answers are taken during the next compute (pipelined)."""
+
+    answers: asyncio.Future[list[tuple[Message, Tracker | None]]]
+    computed_on: list[int]
+    current: int  # the gradient set it was sent from
+
+
+def _announce(loop: asyncio.AbstractEventLoop, ready: list[asyncio.Future[None]], i: int) -> None:
+    """From the backward thread: shard i's part is ready to send."""
+    loop.call_soon_threadsafe(_resolve, ready[i])
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+@contextlib.asynccontextmanager
+async def _cancelling(task: asyncio.Future[Any]) -> AsyncIterator[None]:
+    """Run the body beside `task`; if the body fails, cancel the task and wait for it."""
+    try:
+        yield
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise

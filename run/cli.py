@@ -236,6 +236,7 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
         trace=args.trace, compress=args.compress or "", shards=_shards(args),
+        colocate=getattr(args, "colocate", False),
     )
 
 
@@ -360,6 +361,10 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--shards", type=int, metavar="S",
                        help="a sharded parameter server: S coordinators, each owning a range "
                             "of the parameters; every worker talks to all of them (default 1)")
+    local.add_argument("--colocate", action="store_true",
+                       help="no central coordinator: each worker process also serves one "
+                            "shard of the parameters, so that each moves about one model a "
+                            "step, as a ring all-reduce does (sync and average)")
 
     coordinator = commands.add_parser("coordinator", help="the coordinator alone")
     common(coordinator)

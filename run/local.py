@@ -58,6 +58,13 @@ def launch_local(
     count = torch.cuda.device_count()
     devices = [resolve_device(device, rank % max(count, 1)) for rank in range(options.workers)]
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        if options.colocate:
+            from run.colocated import launch_colocated  # it builds on this module
+
+            per_worker = threads or max(1, (os.cpu_count() or 1) // options.workers)
+            torch.set_num_threads(per_worker)  # this process is worker 0
+            return runner.run(launch_colocated(str(spec), options, on_step, per_worker,
+                                               log_level, status, debug, devices))
         return runner.run(_launch(str(spec), options, on_step, threads, log_level, status,
                                   debug, devices))
 

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 
 from bus.security import load_server_keys
+from nodes.colocated import Colocated
 from nodes.config import CoordinatorConfig
 from nodes.coordinator import Coordinator, Evaluate, Progress
 from nodes.shards import ShardModel, assemble
 from run.faults import parse_local
 from run.spec import Spec
 from strategies import STRATEGIES, Strategy
-from strategies.base import PushKind
+from strategies.base import PushKind, Wait
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,8 @@ class RunOptions:
     trace: Path | None = None  # a Chrome trace-event timeline of the run, written here
     compress: str = ""  # "bf16" or "fp16": gradients pushed in that dtype
     shards: int = 1  # coordinator shards, each owning a range of the parameters
+    # `local` only: each worker process serves one coordinator shard (nodes.colocated).
+    colocate: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -77,9 +80,34 @@ class RunOptions:
             raise ValueError("--eval-every evaluates the whole model during training, and each "
                              "of --shards holds a range of it: drop one of them")
         strategy = make_strategy(self)  # one-line errors for its options now, not at start-up
+        if self.colocate:
+            self._check_colocate(strategy)
         if self.compress and strategy.rhythm.push is PushKind.WEIGHTS:
             raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
                              "pushes weights: drop it, or choose sync, ssp or async")
+
+
+    def _check_colocate(self, strategy: Strategy) -> None:
+        if self.workers < 2:
+            raise ValueError("--colocate needs at least 2 workers: with one, there is nothing "
+                             "to share out")
+        if self.shards > 1:
+            raise ValueError("--colocate puts one coordinator shard in each worker (as many "
+                             "shards as --workers): drop --shards")
+        if strategy.rhythm.wait is not Wait.NEWER:
+            raise ValueError(f"--colocate serves sync and average, whose workers wait for "
+                             f"every version, not {self.strategy}: a worker that runs ahead "
+                             "holds a shard the others need; drop --colocate for it")
+        if self.max_workers is not None:
+            raise ValueError("--colocate trains a fixed set of workers (each serves a shard): "
+                             "drop --max-workers")
+        if any(f.startswith("crash:") for f in self.faults):
+            raise ValueError("--colocate: a crashed worker takes its shard of the model with "
+                             "it and the run cannot go on; drop the crash fault")
+        if self.eval_every_s is not None:
+            raise ValueError("--eval-every evaluates the whole model during training, and "
+                             "with --colocate each worker's shard holds a range of it: drop "
+                             "one of them")
 
 
 def make_strategy(options: RunOptions) -> Strategy:
@@ -113,16 +141,36 @@ def make_coordinator(
     torch.manual_seed(options.seed)
     model: torch.nn.Module = spec.build_model()
     sharded = options.shards > 1
-    checkpoint_dir = options.checkpoint_dir
     if sharded:
         if not 0 <= shard < options.shards:
             raise ValueError(f"--shard {shard}/{options.shards}: the index must be in "
                              f"0..{options.shards - 1}")
         model = ShardModel(model, shard, options.shards)
-        if checkpoint_dir is not None:
-            checkpoint_dir = checkpoint_dir / f"shard-{shard}-of-{options.shards}"
     first = shard == 0
-    config = CoordinatorConfig(
+    return Coordinator(
+        model=model,
+        strategy=make_strategy(options),
+        config=coordinator_config(options, bind=bind, pub_port=pub_port, shard=shard,
+                                  shards=options.shards),
+        optimizer=spec.optimizer,
+        lr=options.lr,
+        evaluate=evaluate if sharded else spec.evaluate,
+        on_step=on_step if first else None,
+    )
+
+
+def coordinator_config(
+    options: RunOptions, *, bind: str, pub_port: int | None = None, shard: int = 0,
+    shards: int = 1,
+) -> CoordinatorConfig:
+    """The configuration of coordinator shard `shard` of `shards` (1: the coordinator).
+    Only shard 0 writes the metrics and the trace; each shard checkpoints into its own
+    directory."""
+    checkpoint_dir = options.checkpoint_dir
+    if shards > 1 and checkpoint_dir is not None:
+        checkpoint_dir = checkpoint_dir / f"shard-{shard}-of-{shards}"
+    first = shard == 0
+    return CoordinatorConfig(
         bind=bind,
         pub_port=pub_port,
         batch_size=options.batch_size,
@@ -142,15 +190,23 @@ def make_coordinator(
         trace=options.trace if first else None,
         compress=options.compress,
     )
-    strategy = make_strategy(options)
-    return Coordinator(
-        model=model,
-        strategy=strategy,
-        config=config,
-        optimizer=spec.optimizer,
-        lr=options.lr,
-        evaluate=evaluate if sharded else spec.evaluate,
-        on_step=on_step if first else None,
+
+
+def make_colocated(
+    spec: Spec, options: RunOptions, *, index: int, bind: str,
+    on_step: Callable[[Progress], None] | None = None,
+) -> Colocated:
+    """Worker `index` of `options.workers` with the coordinator shard it serves (--colocate):
+    the model built from the SPEC with the run's seed, as in every other process. Node 0
+    reports: the metrics, the trace, progress, and the evaluation of the final model."""
+    torch.manual_seed(options.seed)
+    first = index == 0
+    return Colocated(
+        index=index, count=options.workers, model=spec.build_model(), data=spec.data,
+        loss=spec.loss, strategy=make_strategy(options),
+        config=coordinator_config(options, bind=bind, shard=index, shards=options.workers),
+        optimizer=spec.optimizer, lr=options.lr,
+        evaluate=spec.evaluate if first else None, on_step=on_step if first else None,
     )
 
 

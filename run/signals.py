@@ -10,21 +10,25 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Awaitable, Sequence
-from typing import TypeVar
-
-from nodes.coordinator import Coordinator
+from typing import Protocol, TypeVar
 
 T = TypeVar("T")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+class Stoppable(Protocol):
+    """A coordinator, or anything else that stops gracefully when asked."""
+
+    def request_stop(self, why: str) -> None: ...
+
+
 async def stopping_on_signals(
-    coordinator: Coordinator | Sequence[Coordinator], work: Awaitable[T]
+    coordinator: Stoppable | Sequence[Stoppable], work: Awaitable[T]
 ) -> T:
     """Await `work` (the coordinator's run, or a launch around it) with the signals routed
     to `request_stop` of the coordinator (of every shard, when given several). Outside the
     main thread signals cannot be caught, and the work runs as it is."""
-    coordinators = [coordinator] if isinstance(coordinator, Coordinator) else list(coordinator)
+    coordinators = list(coordinator) if isinstance(coordinator, Sequence) else [coordinator]
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
 

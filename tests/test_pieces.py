@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from bus.pieces import Pieces, add_into, all_finite, copy_into, spans, whole
+from bus.pieces import Pieces, all_finite, copy_into, spans, sum_into, whole
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -34,19 +34,33 @@ def test_whole_joins_and_keeps_the_shape() -> None:
     assert whole(t) is t
 
 
-def test_copy_and_add_into_a_flat_buffer() -> None:
+def test_copy_into_a_flat_buffer() -> None:
     values = torch.arange(10.0)
-    p = _pieces(values, [4])
     flat = torch.full((10,), 7.0)
-    copy_into(flat, p)
+    copy_into(flat, _pieces(values, [4]))
     assert torch.equal(flat, values)
-    add_into(flat, p)
-    assert torch.equal(flat, 2 * values)
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 7, 64])
+def test_sum_into_adds_tensors_cut_at_different_places_block_by_block(block: int) -> None:
+    a, b, c = (torch.arange(10.0) * k for k in (1, 10, 100))
+    flat = torch.full((10,), 7.0)  # overwritten, not added to
+    sum_into(flat, [_pieces(a, [4]), _pieces(b, [1, 3, 9]), c], 0.5, block=block)
+    assert torch.equal(flat, (a + b + c) * 0.5)
+
+
+def test_sum_into_one_tensor_copies_it_and_refuses_a_wrong_size() -> None:
+    flat = torch.zeros(6)
+    sum_into(flat, [_pieces(torch.arange(6.0), [2])])
+    assert torch.equal(flat, torch.arange(6.0))
+    with pytest.raises(ValueError, match="5 elements for a buffer of 6"):
+        sum_into(flat, [torch.zeros(5)])
 
 
 def test_a_narrower_dtype_adds_into_float32() -> None:
     flat = torch.zeros(6)
-    add_into(flat, _pieces(torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5, 5.5], dtype=torch.bfloat16), [2]))
+    half = torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5, 5.5], dtype=torch.bfloat16)
+    sum_into(flat, [torch.zeros(6), _pieces(half, [2])])
     assert flat.tolist() == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5]
 
 

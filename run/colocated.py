@@ -1,0 +1,205 @@
+"""`tensorbus local --colocate`: every worker process also serves one coordinator shard.
+
+This process is worker 0 with shard 0, so that the progress line, the status table, the
+metrics and the summary (with the evaluation of the final model) are where `local` has
+them. Workers 1..N-1 are processes, `python -m run.colocated`, that read their orders as
+one JSON line on stdin, bind their shard on a random loopback port, say where as one JSON
+line on stdout, read every shard's address as a second line, and train (nodes.colocated).
+Their stderr is relayed with a `[worker R]` prefix, as `local` does.
+
+Every process holds a shard of the model, so a worker that fails or dies ends the run with
+its one-line error: the others cannot go on without its part. Ctrl-C or SIGTERM here stops
+every shard gracefully (each finishes its update in flight and checkpoints, with
+--checkpoint-dir), and a second one interrupts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bus.security import load_client_keys
+from bus.transport import new_event_loop
+from nodes.config import WorkerConfig
+from nodes.coordinator import Progress
+from run.faults import parse_local, parse_worker
+from run.local import (
+    ERROR_PREFIX,
+    REAP_TIMEOUT_S,
+    LocalRunError,
+    _die_with_parent,
+    _reap,
+    _relay,
+)
+from run.options import RunOptions, make_colocated
+from run.signals import stopping_on_signals
+from run.spec import load_spec
+from run.status import StatusTable
+
+KEY_NAME = "worker"  # the key pair `tensorbus keys` makes for workers, as `local` uses
+STARTUP_S = 120.0  # how long a worker process may take to import, build and bind
+
+
+async def launch_colocated(
+    spec_source: str,
+    options: RunOptions,
+    on_step: Callable[[Progress], None] | None,
+    threads: int,
+    log_level: str,
+    status: StatusTable | None,
+    debug: bool,
+    devices: list[str],
+) -> dict[str, Any]:
+    """Train with `options.workers` colocated workers, this process being worker 0."""
+    spec = load_spec(spec_source)  # fail here, before any process starts
+    node = make_colocated(spec, options, index=0, bind="tcp://127.0.0.1:0", on_step=on_step)
+    endpoints = [node.bind()]
+    children: list[asyncio.subprocess.Process] = []
+    relays: list[asyncio.Task[None]] = []
+    failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    try:
+        for rank in range(1, options.workers):
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "run.colocated",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, preexec_fn=_die_with_parent,
+                start_new_session=True,  # Ctrl-C reaches this process alone (see below)
+            )
+            children.append(child)
+            relays.append(asyncio.create_task(_relay(rank, child, failure, [])))
+            orders = {"spec": spec_source, "options": _to_json(options), "index": rank,
+                      "threads": threads, "log_level": log_level, "debug": debug,
+                      "device": devices[rank]}
+            _write_line(child, orders)
+        for rank, child in enumerate(children, start=1):
+            endpoints.append(await _endpoint(rank, child, failure))
+        for child in children:
+            _write_line(child, {"endpoints": endpoints})
+        config = worker_config(options, rank=0, endpoints=endpoints, device=devices[0])
+        run = node.run(config)
+        if status is not None:
+            run = status.around(node.coordinator, run)
+        # A signal stops every shard: ours here, the others through theirs.
+        training = asyncio.create_task(stopping_on_signals(
+            [node.coordinator, _Children(children)], run))
+        await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
+        if failure.done():
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+            raise LocalRunError(_fatal(failure.result()))
+        summary, _ = training.result()
+        await _reap(children, timeout=REAP_TIMEOUT_S)
+        await asyncio.wait(relays, timeout=REAP_TIMEOUT_S)
+        if failure.done():
+            raise LocalRunError(_fatal(failure.result()))
+        return {**summary, "colocated": options.workers}
+    finally:
+        await _reap(children, timeout=0.0)
+        for relay in relays:
+            relay.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+
+
+def worker_config(options: RunOptions, *, rank: int, endpoints: list[str], device: str) -> WorkerConfig:
+    """Worker `rank`'s configuration, as `local` gives its workers on their command line."""
+    faults = parse_local(options.faults, options.workers).get(rank, [])
+    keys = load_client_keys(options.keys, KEY_NAME) if options.keys is not None else None
+    return WorkerConfig(connect=endpoints, rank=rank, device=device, faults=parse_worker(faults),
+                        join_timeout_s=options.join_timeout_s, keys=keys)
+
+
+class _Children:
+    """Stops the other processes' shards: SIGTERM, which each takes as a graceful stop."""
+
+    def __init__(self, children: list[asyncio.subprocess.Process]) -> None:
+        self._children = children
+
+    def request_stop(self, why: str) -> None:
+        for child in self._children:
+            if child.returncode is None:
+                child.send_signal(signal.SIGTERM)
+
+
+def _fatal(why: str) -> str:
+    return (f"{why} (with --colocate every worker serves a shard of the model: the run "
+            "cannot go on without it)")
+
+
+def _write_line(child: asyncio.subprocess.Process, message: dict[str, Any]) -> None:
+    assert child.stdin is not None
+    child.stdin.write(json.dumps(message).encode() + b"\n")
+
+
+async def _endpoint(rank: int, child: asyncio.subprocess.Process, failure: asyncio.Future[str]) -> str:
+    """The address worker `rank` bound its shard at (its first line on stdout)."""
+    assert child.stdout is not None
+    reading = asyncio.ensure_future(child.stdout.readline())
+    await asyncio.wait({reading, failure}, timeout=STARTUP_S, return_when=asyncio.FIRST_COMPLETED)
+    if failure.done():
+        reading.cancel()
+        raise LocalRunError(_fatal(failure.result()))
+    if not reading.done():
+        reading.cancel()
+        raise LocalRunError(f"worker {rank} did not bind its shard within {STARTUP_S:.0f} s")
+    line = reading.result()
+    try:
+        return str(json.loads(line)["endpoint"])
+    except (ValueError, KeyError, TypeError):
+        # It ended without saying (its relay has its last word), or said something else.
+        await asyncio.wait({failure}, timeout=REAP_TIMEOUT_S)
+        why = failure.result() if failure.done() else f"said {line[:200]!r}"
+        raise LocalRunError(f"worker {rank} did not bind its shard: {why}") from None
+
+
+def _to_json(options: RunOptions) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(options).items()}
+
+
+def _from_json(fields: dict[str, Any]) -> RunOptions:
+    paths = {f.name for f in dataclasses.fields(RunOptions) if "Path" in str(f.type)}
+    fields = {k: Path(v) if k in paths and v is not None else v for k, v in fields.items()}
+    return RunOptions(**{**fields, "faults": tuple(fields["faults"])})
+
+
+def _child() -> int:
+    """A worker process of `local --colocate` (see the module's docstring)."""
+    try:
+        orders = json.loads(sys.stdin.readline())
+    except ValueError:
+        print(f"{ERROR_PREFIX}python -m run.colocated is started by `tensorbus local "
+              "--colocate`, which gives it its orders on stdin", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=orders["log_level"].upper(), stream=sys.stderr, datefmt="%H:%M:%S",
+                        format="%(asctime)s worker %(levelname)s %(message)s")
+    torch.set_num_threads(orders["threads"])
+    try:
+        options = _from_json(orders["options"])
+        node = make_colocated(load_spec(orders["spec"]), options, index=orders["index"],
+                              bind="tcp://127.0.0.1:0")
+        print(json.dumps({"endpoint": node.bind()}), flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            raise LocalRunError("the launcher went away before sending the shards' addresses")
+        config = worker_config(options, rank=orders["index"], endpoints=json.loads(line)["endpoints"],
+                               device=orders["device"])
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(stopping_on_signals(node.coordinator, node.run(config)))
+        return 0
+    except Exception as e:  # one line for the launcher, as `worker` does
+        if orders["debug"]:
+            logging.getLogger("tensorbus.worker").exception("worker %d failed", orders["index"])
+        print(f"{ERROR_PREFIX}{e}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(_child())

@@ -1,0 +1,134 @@
+"""Multi-process: `tensorbus local --colocate`, each worker process serving one shard.
+
+The same run as `local` without it gives the same figures to the last digit (2 and 3
+workers); a worker killed mid-run ends the run at once with its one-line error and leaves
+nothing running; SIGTERM stops every shard with a checkpoint and `--resume` goes on from
+them; options that cannot work colocated are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_local import DIGITS, FAST, ROOT, TENSORBUS, _left_running, _run, _spec
+
+from run.options import RunOptions
+
+pytestmark = pytest.mark.timeout(180)
+
+CHILD = "run.colocated"  # what a colocated worker process's command line names
+
+
+def _summary(done: subprocess.CompletedProcess[str]) -> dict:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_colocated_gives_the_figures_of_a_central_coordinator(tmp_path: Path) -> None:
+    workers = 2  # 3 are compared with one coordinator in tests/test_colocated.py
+    spec = _spec(tmp_path, "colocated")
+    common = ["local", str(spec), "--workers", str(workers), "--steps", "40", *FAST]
+    central = _summary(_run(common))
+    colocated = _summary(_run([*common, "--colocate", "--metrics", str(tmp_path / "m.jsonl")]))
+    for key in ("steps", "final_loss", "accuracy", "test_loss"):
+        assert colocated[key] == central[key], key
+    assert colocated["colocated"] == workers
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert lines[-1]["event"] == "summary" and lines[-1]["accuracy"] == central["accuracy"]
+    assert _left_running(CHILD) == []
+
+
+def test_a_killed_worker_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "killed")
+    launcher = subprocess.Popen(
+        [*TENSORBUS, "local", str(spec), "--workers", "3", "--colocate", "--steps", "100000", *FAST],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := [int(line.split(":")[0]) for line in _left_running(CHILD)]):
+            assert time.monotonic() < deadline, "no colocated worker started"
+            time.sleep(0.2)
+        time.sleep(4)  # training by now
+        subprocess.run(["kill", "-KILL", str(children[-1])], check=False)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 1
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("tensorbus: error: worker ") and "killed by SIGKILL" in last
+        assert "cannot go on without it" in last
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    deadline = time.monotonic() + 10
+    while _left_running(CHILD) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _left_running(CHILD) == []
+
+
+def test_sigterm_checkpoints_every_shard_and_resume_goes_on(tmp_path: Path) -> None:
+    spec, checkpoints, metrics = _spec(tmp_path, "stopped"), tmp_path / "ck", tmp_path / "m.jsonl"
+    launcher = subprocess.Popen(
+        [*TENSORBUS, "local", str(spec), "--workers", "2", "--colocate", *FAST, "--steps", "100000",
+         "--checkpoint-dir", str(checkpoints), "--metrics", str(metrics)],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
+            assert time.monotonic() < deadline, "no step was taken"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, err[-2000:]
+    stopped = json.loads(out)
+    assert stopped["ended"] == "stop requested: SIGTERM" and stopped["steps"] > 0
+    shards = sorted(p.parent.name for p in checkpoints.glob("*/ckpt-*.pt"))
+    assert shards == ["shard-0-of-2", "shard-1-of-2"]
+    resumed = _summary(_run(["local", str(spec), "--workers", "2", "--colocate", *FAST,
+                             "--checkpoint-dir", str(checkpoints), "--resume",
+                             "--steps", str(stopped["steps"] + 5)]))
+    assert resumed["resumed_from"] == stopped["steps"] and resumed["steps"] == stopped["steps"] + 5
+    assert _left_running(CHILD) == []
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"strategy": "async"}, ("--colocate serves sync and average, whose workers wait for every "
+                             "version, not async")),
+    ({"strategy": "ssp"}, "--colocate serves sync and average"),
+    ({"shards": 2}, "drop --shards"),
+    ({"max_workers": 3}, "drop --max-workers"),
+    ({"faults": ("crash:1:5",)}, "drop the crash fault"),
+    ({"eval_every_s": 1.0}, "drop one of them"),
+    ({"workers": 1}, "--colocate needs at least 2 workers"),
+])
+def test_what_cannot_be_colocated_is_refused(extra: dict, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        RunOptions(**{"workers": 2, "colocate": True, **extra})
+
+
+def test_a_refusal_is_one_line_from_the_command() -> None:
+    done = _run(["local", str(DIGITS), "--workers", "2", "--colocate", "--strategy", "async", *FAST])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [(
+        "tensorbus: error: --colocate serves sync and average, whose workers wait for every "
+        "version, not async: a worker that runs ahead holds a shard the others need; drop "
+        "--colocate for it")]
+
+
+def test_the_child_entry_point_is_not_a_command() -> None:
+    """`python -m run.colocated` only takes orders from `local`: with none, it says so."""
+    done = subprocess.run([sys.executable, "-m", CHILD], cwd=ROOT, input="", text=True,
+                          capture_output=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: python -m run.colocated is started by `tensorbus "
+                                   "local --colocate`, which gives it its orders on stdin")
