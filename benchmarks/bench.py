@@ -10,10 +10,11 @@ is taken within a round, then its median over the rounds. The cases:
 (a) bus throughput for 1, 16 and 128 MB: tensorbus against raw pyzmq (one frame, 1 MB
     frames) and memcpy (benchmarks/throughput.py);
 (b) a training step of the 1M- and 10M-parameter MLPs with 2 workers, batch 64 each,
-    against one process and PyTorch DDP on gloo (benchmarks/steps.py);
+    against one process and PyTorch DDP on gloo (benchmarks/steps.py): tensorbus sync with
+    one central coordinator, and with a coordinator shard in each worker (--colocate);
 (c) async updates per second for the 1M model, batch 1, against the naive
     one-push-one-reply parameter server;
-(d) scaling: the 1M model's sync step with 1, 2 and 4 workers.
+(d) scaling: the 1M model's sync step with 1, 2 and 4 workers (colocated from 2 on).
 
 It writes benchmarks/results/bench.json (every figure of every round) and bench.md (the
 tables the README shows).
@@ -58,22 +59,33 @@ def cases(quick: bool) -> dict[str, Callable[[], float]]:
         table[f"b/{params}/single"] = lambda p=params, k=k: steps.single(p, k)
         table[f"b/{params}/ddp"] = lambda p=params, k=k: steps.ddp(p, k)
         table[f"b/{params}/tensorbus-sync"] = lambda p=params, k=k: steps.tensorbus_sync(p, k)
-        table[f"b/{params}/tensorbus-sync-bf16"] = lambda p=params, k=k: steps.tensorbus_sync(
-            p, k, compress="bf16")
+        table[f"b/{params}/tensorbus-colocated"] = lambda p=params, k=k: steps.tensorbus_sync(
+            p, k, colocate=True)
+        table[f"b/{params}/tensorbus-colocated-bf16"] = lambda p=params, k=k: steps.tensorbus_sync(
+            p, k, compress="bf16", colocate=True)
     pushes = 200 if quick else 600
     table["c/1M/naive-ps"] = lambda: steps.naive_ps("1M", pushes // 2)
     table["c/1M/tensorbus-async"] = lambda: steps.tensorbus_async("1M", pushes)
+    table["c/1M/tensorbus-async-bf16"] = lambda: steps.tensorbus_async("1M", pushes, compress="bf16")
     for workers in (1, 2, 4):
-        table[f"d/1M/tensorbus-sync-{workers}w"] = lambda w=workers: steps.tensorbus_sync("1M", 4 * n, w)
         table[f"d/1M/ddp-{workers}w"] = lambda w=workers: steps.ddp("1M", 4 * n, w)
+        if workers == 1:  # one worker: nothing to colocate with
+            table["d/1M/tensorbus-sync-1w"] = lambda: steps.tensorbus_sync("1M", 4 * n, 1)
+        else:
+            table[f"d/1M/tensorbus-colocated-{workers}w"] = lambda w=workers: steps.tensorbus_sync(
+                "1M", 4 * n, w, colocate=True)
     return table
 
 
 RATIOS = {  # name -> (numerator, denominator, what it says)
-    "b/1M: tensorbus sync / DDP": ("b/1M/tensorbus-sync", "b/1M/ddp", "step time; <= 1.1 wanted"),
-    "b/10M: tensorbus sync / DDP": ("b/10M/tensorbus-sync", "b/10M/ddp", "step time; <= 1.0 wanted"),
-    "b/1M: tensorbus sync bf16 / DDP": ("b/1M/tensorbus-sync-bf16", "b/1M/ddp", "--compress bf16"),
-    "b/10M: tensorbus sync bf16 / DDP": ("b/10M/tensorbus-sync-bf16", "b/10M/ddp", "--compress bf16"),
+    "b/1M: tensorbus colocated / DDP": ("b/1M/tensorbus-colocated", "b/1M/ddp",
+                                        "step time; <= 1.1 wanted"),
+    "b/10M: tensorbus colocated / DDP": ("b/10M/tensorbus-colocated", "b/10M/ddp",
+                                         "step time; <= 1.0 wanted"),
+    "b/1M: tensorbus central / DDP": ("b/1M/tensorbus-sync", "b/1M/ddp", "one coordinator"),
+    "b/10M: tensorbus central / DDP": ("b/10M/tensorbus-sync", "b/10M/ddp", "one coordinator"),
+    "b/1M: colocated bf16 / DDP": ("b/1M/tensorbus-colocated-bf16", "b/1M/ddp", "--compress bf16"),
+    "b/10M: colocated bf16 / DDP": ("b/10M/tensorbus-colocated-bf16", "b/10M/ddp", "--compress bf16"),
     "b/1M: DDP / single": ("b/1M/ddp", "b/1M/single", "what DDP itself costs"),
     "b/10M: DDP / single": ("b/10M/ddp", "b/10M/single", "what DDP itself costs"),
     "a/128MB: tensorbus / zmq chunked": ("a/128MB/tensorbus", "a/128MB/zmq-chunked", ">= 0.8 wanted"),
@@ -81,6 +93,10 @@ RATIOS = {  # name -> (numerator, denominator, what it says)
     "a/16MB: tensorbus / zmq chunked": ("a/16MB/tensorbus", "a/16MB/zmq-chunked", ""),
     "a/1MB: tensorbus / zmq chunked": ("a/1MB/tensorbus", "a/1MB/zmq-chunked", ""),
     "c/1M: tensorbus async / naive PS": ("c/1M/tensorbus-async", "c/1M/naive-ps", "updates/s; >= 4 wanted"),
+    "c/1M: tensorbus async bf16 / naive PS": ("c/1M/tensorbus-async-bf16", "c/1M/naive-ps",
+                                              "updates/s, --compress bf16"),
+    "d/1M: 2 workers, colocated / DDP": ("d/1M/tensorbus-colocated-2w", "d/1M/ddp-2w", "step time"),
+    "d/1M: 4 workers, colocated / DDP": ("d/1M/tensorbus-colocated-4w", "d/1M/ddp-4w", "step time"),
 }
 
 

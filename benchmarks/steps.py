@@ -5,7 +5,8 @@ per process, on this machine, in its own processes:
 
 - `single`: one process, batch 64: the work with no communication at all.
 - `ddp`: PyTorch DistributedDataParallel on gloo, 2 processes, batch 64 each.
-- `tensorbus_sync`: `tensorbus local ... --strategy sync`, batch 64 per worker.
+- `tensorbus_sync`: `tensorbus local ... --strategy sync`, batch 64 per worker, with one
+  central coordinator or with a coordinator shard in every worker (`--colocate`).
 - `tensorbus_async`: `tensorbus local ... --strategy async --batch-size 1`: pushes per second
   when communication, not compute, is what limits.
 - `naive_ps`: the one-push-one-reply parameter server (the Ray actor pattern) in raw
@@ -126,17 +127,21 @@ def _tensorbus(params: str, workers: int, strategy: str, steps: int, *extra: str
         return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = "") -> float:
-    """Seconds per version of `tensorbus local --strategy sync`, batch 64 per worker."""
+def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = "",
+                   colocate: bool = False) -> float:
+    """Seconds per version of `tensorbus local --strategy sync`, batch 64 per worker: with
+    one central coordinator, or with `colocate`, a shard in every worker (--colocate)."""
     records = _tensorbus(params, workers, "sync", steps,
-                         *(["--compress", compress] if compress else []))
+                         *(["--compress", compress] if compress else []),
+                         *(["--colocate"] if colocate else []))
     at = [r["train_s"] for r in records if r["event"] == "step"]
     return _steady([b - a for a, b in itertools.pairwise(at)])
 
 
-def tensorbus_async(params: str, pushes: int, workers: int = 2) -> float:
+def tensorbus_async(params: str, pushes: int, workers: int = 2, compress: str = "") -> float:
     """Updates applied per second by `tensorbus local --strategy async`, batch 1."""
-    records = _tensorbus(params, workers, "async", pushes, "--batch-size", "1", "--lr", "0.01")
+    records = _tensorbus(params, workers, "async", pushes, "--batch-size", "1", "--lr", "0.01",
+                         *(["--compress", compress] if compress else []))
     steps = [r["train_s"] for r in records if r["event"] == "step"]
     steady = steps[len(steps) // 4 :]
     return (len(steady) - 1) / (steady[-1] - steady[0])

@@ -14,15 +14,62 @@ wrong shard, or with another model, is refused at its join like any other layout
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 
 from bus.errors import LayoutError
 
-# --compress: the dtype float gradients travel in (the coordinator adds them into fp32).
-COMPRESSION: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# --compress bf16|fp16: the dtype float gradients travel in (added into fp32 on arrival).
+NARROW: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TOPK: Final = "topk:"  # --compress topk:R: the largest R of each range's elements, by magnitude
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How gradients travel (`--compress`): as they are, in a narrower float dtype, or
+    sparse: the k = ceil(R * n) elements of largest magnitude of each of the n-element
+    buckets, as an int64 index tensor and a value tensor (the worker keeps what it did not
+    send and adds it to its next gradient: error feedback)."""
+
+    dtype: torch.dtype | None = None
+    topk: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Compression:
+        """"" (none), "bf16", "fp16" or "topk:R" with 0 < R < 1; ValueError otherwise."""
+        if not text:
+            return cls()
+        if text in NARROW:
+            return cls(dtype=NARROW[text])
+        if text.startswith(TOPK):
+            try:
+                ratio = float(text[len(TOPK):])
+            except ValueError:
+                ratio = math.nan
+            if 0 < ratio < 1:
+                return cls(topk=ratio)
+        raise ValueError(f"compress {text!r}: choose bf16, fp16 or topk:R with 0 < R < 1 "
+                         "(topk:0.01 sends the largest 1% of each gradient)")
+
+    def keep(self, numel: int) -> int:
+        """How many of `numel` elements a top-k push sends."""
+        assert self.topk is not None
+        return min(numel, max(1, math.ceil(self.topk * numel)))
+
+    def wire(self, layout: Layout) -> Layout:
+        """The layout pushes travel as: the model's (or a shard's) layout, in the narrower
+        dtype, or per bucket an index bucket and a value bucket of k elements each."""
+        if self.topk is not None:
+            buckets = []
+            for b in layout.buckets:
+                k = self.keep(b.numel)
+                buckets += [Bucket(torch.int64, k), Bucket(b.dtype, k)]
+            return Layout(layout.entries, tuple(buckets))
+        return layout.on_wire(self.dtype)
 
 
 @dataclass(frozen=True)

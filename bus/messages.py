@@ -144,7 +144,7 @@ class Welcome(Message):
     timeout_s: float
     lr: float  # for a worker that owns its optimizer and the SPEC gives none
     position: int = 0  # batches of its shard this rank had used (after a restart), to skip
-    compress: str = ""  # "bf16" or "fp16": push float gradients in that dtype; "": as they are
+    compress: str = ""  # how to push gradients: bus.layout.Compression ("": as they are)
 
 
 @dataclass(frozen=True, kw_only=True)

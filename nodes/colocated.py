@@ -103,7 +103,8 @@ class Colocated:
                              optimizer=self._optimizer, hub=self.hub)
         training = asyncio.create_task(self.worker.run())
         # Evaluated once our worker is done: it then holds every shard's final weights.
-        serving = asyncio.create_task(self.coordinator.run(before_evaluate=_after(training)))
+        trained = asyncio.create_task(_after(training))
+        serving = asyncio.create_task(self.coordinator.run(before_evaluate=trained))
         try:
             done, _ = await asyncio.wait({training, serving}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -114,9 +115,9 @@ class Colocated:
                 self.coordinator.request_stop("the run stopped")
             return await serving, await training
         finally:
-            for task in (training, serving):
+            for task in (training, serving, trained):
                 task.cancel()
-            await asyncio.gather(training, serving, return_exceptions=True)
+            await asyncio.gather(training, serving, trained, return_exceptions=True)
             self.hub.close()  # after both sides closed their sockets
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.layout import Compression
 from bus.security import ClientKeys, ServerKeys
 from nodes.faults import Faults
 
@@ -35,8 +36,9 @@ class CoordinatorConfig:
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir, if any
     keys: ServerKeys | None = None  # CURVE: encrypt, and admit only the authorized workers
     trace: Path | None = None  # write a Chrome trace-event timeline of the run here
-    # Workers push float gradients as bf16 or fp16 (half the bytes); the coordinator keeps
-    # fp32 master weights and broadcasts them as they are. "": no compression.
+    # Workers push float gradients as bf16 or fp16 (half the bytes), or "topk:R" (the
+    # largest R of each range, with error feedback: bus.layout.Compression); the
+    # coordinator keeps fp32 master weights and broadcasts them as they are. "": as they are.
     compress: str = ""
     # Under a relay (nodes.relay): this coordinator's ranks start at first_rank, and its
     # workers are told there are world_size data shards (the whole tree's workers).
@@ -48,8 +50,7 @@ class CoordinatorConfig:
             raise ValueError(f"first_rank must be at least 0, got {self.first_rank}")
         if self.world_size is not None and self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
-        if self.compress not in ("", "bf16", "fp16"):
-            raise ValueError(f"compress must be bf16 or fp16, got {self.compress!r}")
+        Compression.parse(self.compress)  # ValueError naming the choices
         if self.max_workers is not None and self.max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {self.max_workers}")
         if self.min_workers < 1:

@@ -24,7 +24,7 @@ from torch import nn
 from bus.buffers import SendBuffers, Tracker
 from bus.codec import decode, encode
 from bus.errors import WireError
-from bus.layout import COMPRESSION
+from bus.layout import Compression
 from bus.messages import (
     BUILD,
     Ack,
@@ -42,7 +42,7 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.pieces import Received, all_finite, sum_into
+from bus.pieces import Received, all_finite, sum_into, whole
 from bus.transport import Hub, ZmqServer
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
@@ -174,7 +174,8 @@ class Coordinator:
             raise ValueError(f"compress applies to pushed gradients, and {strategy.name} pushes "
                              "weights: drop it, or choose a strategy that pushes gradients")
         # What pushes must look like: the model's layout, in the compressed dtype if asked.
-        self._wire_layout = self.flat.layout.on_wire(COMPRESSION.get(config.compress))
+        self._compression = Compression.parse(config.compress)
+        self._wire_layout = self._compression.wire(self.flat.layout)
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -460,6 +461,10 @@ class Coordinator:
             self._not_finite[member.rank] = self._not_finite.get(member.rank, 0) + 1
             self._warn(peer, "not_finite", f"worker {member.rank} pushed a non-finite update "
                                            f"on version {message.version}")
+        elif self._compression.topk is not None and not self._indices_fit(message.tensors):
+            decisions = [Drop(member.rank, message.version, DropReason.OUT_OF_RANGE)]
+            self._warn(peer, "out_of_range", f"worker {member.rank} pushed a top-k update "
+                                             "naming elements the model does not have")
         else:
             self._not_finite[member.rank] = 0
             decisions = self.strategy.handle(Arrived(member.rank, message.version, now))
@@ -600,13 +605,27 @@ class Coordinator:
         step, in a thread (a relay, `nodes.relay`, sends their mean upstream instead)."""
         await asyncio.to_thread(self._step, updates, scale)
 
+    def _indices_fit(self, tensors: tuple[Received, ...]) -> bool:
+        """Whether every index of a top-k update names an element of its bucket."""
+        for b, bucket in enumerate(self.flat.layout.buckets):
+            indices = whole(tensors[2 * b])
+            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= bucket.numel):
+                return False
+        return True
+
     def _mean(self, updates: list[tuple[Received, ...]], scale: float) -> None:
         """The mean of the updates (in the given order), times `scale`, into the gradient
-        buffers."""
+        buffers. Top-k updates are added into zeros at their indices."""
         with torch.no_grad():
             for b, mean in enumerate(self.flat.grads):
-                # Read where they arrived (no copy before), a block at a time.
-                sum_into(mean, [update[b] for update in updates], scale / len(updates))
+                if self._compression.topk is not None:
+                    mean.zero_()
+                    for update in updates:  # small: k elements each
+                        mean.index_add_(0, whole(update[2 * b]), whole(update[2 * b + 1]))
+                    mean.mul_(scale / len(updates))
+                else:
+                    # Read where they arrived (no copy before), a block at a time.
+                    sum_into(mean, [update[b] for update in updates], scale / len(updates))
 
     def _step(self, updates: list[tuple[Received, ...]], scale: float) -> None:
         """Average the updates and take one step with the result.

@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +32,13 @@ from torch import nn
 
 from bus.buffers import Tracker, wait_sent
 from bus.errors import PeerTimeoutError, RejectedError
-from bus.layout import COMPRESSION, Span
+from bus.layout import Compression
 from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
 from bus.transport import Hub
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
 from nodes.link import Link, Stopped
+from nodes.outbox import Outbox
 from strategies.base import PushKind, Wait
 
 log = logging.getLogger("tensorbus.worker")
@@ -103,8 +104,7 @@ class Worker:
         self._batches: _Epochs | None = None  # the shard's batches, kept across rejoins
         self._shard: tuple[int, int, int] | None = None  # (rank, world size, batch size) of it
         self.rejoins = 0
-        # --compress: per gradient set, the buffers gradients travel in (narrower dtype).
-        self._wires: list[tuple[torch.Tensor, ...]] = []
+        self._outbox: Outbox | None = None  # what pushes carry (made when training starts)
         self._forward: tuple[float, int] = (math.nan, 0)  # the last forward's loss, samples
         self._on_range: Callable[[int], None] | None = None  # set while the last backward runs
         self.flat.watch([shard.spans for shard in self._shards], self._range_done)
@@ -234,19 +234,12 @@ class Worker:
         # Each shard's part is pushed as soon as backward has finished it, overlapping the
         # rest of backward, where what is pushed is one backward's gradient.
         early = not weights_pushed and welcome.local_steps == 1
-        narrow = COMPRESSION.get(welcome.compress)
-        # What goes on the wire, per gradient set: the flat buffers (or their host mirrors
-        # on a GPU), or under --compress, buffers made once in the narrower dtype that each
-        # finished range is converted into (the coordinators add them into fp32 ones).
-        if weights_pushed:
-            wires = [self.flat.host_weights]
-        elif narrow is not None:
-            wires = [self.flat.layout.on_wire(narrow).allocate() for _ in range(self.flat.grad_sets)]
-        else:
-            wires = self.flat.host_grad_sets
-        self._wires = wires if narrow is not None and not weights_pushed else []
-        parts = [[shard.take(wire) for shard in self._shards] for wire in wires]
-        sent: list[list[Tracker | None]] = [[] for _ in wires]  # each set's last sends
+        # What goes on the wire, per gradient set and shard, filled as backward finishes
+        # each range: gradients as they are, narrowed or top-k (--compress), or weights.
+        outbox = Outbox(self.flat, self._shards, Compression.parse(welcome.compress),
+                        weights=weights_pushed)
+        self._outbox, parts = outbox, outbox.parts
+        sent: list[list[Tracker | None]] = [[] for _ in parts]  # each set's last sends
         # Where time goes between computes, reported with the next push (telemetry).
         comm_s = wait_s = 0.0
         previous: _InFlight | None = None  # pipelined: the last push, not yet answered
@@ -286,6 +279,7 @@ class Worker:
                     for i, link in enumerate(self.links))))
                 async with _cancelling(pushes):
                     self._last_loss = (await compute)[0]
+                    computed = time.monotonic()
                     self.clock += 1  # counted once sent: heartbeats from now on include it
                     self._enter(Phase.PUSHING)
                     if pipelined:
@@ -297,9 +291,10 @@ class Worker:
             sent[current] = [tracker for _, tracker in answers]
             acks = [ack for ack, _ in answers]
             # Held back by the strategy (ssp's bound) for as long as the longest-holding shard.
+            # (Pushes that left during backward overlapped it: only what is left counts.)
             held_s = min(max(max(a.held_s, 0.0) if isinstance(a, Ack) else 0.0 for a in acks),
-                         answered - started)
-            comm_s, wait_s = answered - started - held_s, held_s
+                         answered - computed)
+            comm_s, wait_s = answered - computed - held_s, held_s
             waits = self._waits(acks, computed_on, wait)
             if waits:
                 self._enter(Phase.WAITING)
@@ -359,7 +354,7 @@ class Worker:
         """Load the newest weights each link has, then compute `local_steps` gradients
         (each followed by a local optimizer step when this worker owns one) into gradient
         set `current`. Each shard's range of the last gradient is made ready to send
-        (converted under --compress, copied to the host on a GPU) as soon as backward has
+        (see nodes.outbox: converted or sparsified, copied to the host on a GPU) as soon as backward has
         finished it, and `announce`d, so that it can go out while backward goes on. Runs in
         a thread: touches only the model. Returns the mean loss and the samples seen."""
         for i, link in enumerate(self.links):
@@ -374,7 +369,8 @@ class Worker:
         def finish(i: int) -> None:
             if i not in finished:
                 finished.add(i)
-                self._finish(self._shards[i].spans, current)
+                assert self._outbox is not None
+                self._outbox.fill(i, current)
                 if announce is not None:
                     announce(i)
 
@@ -383,7 +379,8 @@ class Worker:
             self.config.faults.before_step(self.steps)
             inputs, targets = self._batches_next()
             self.flat.begin_backward()
-            self._on_range = finish if step == local_steps - 1 else None
+            pushes_gradient = step == local_steps - 1 and self._optimizer is None
+            self._on_range = finish if pushes_gradient else None
             try:
                 loss = self._loss(self._model(inputs), targets)
                 figure = float(loss.detach())
@@ -417,18 +414,6 @@ class Worker:
         on_range = self._on_range
         if on_range is not None:
             on_range(i)
-
-    def _finish(self, spans: Sequence[Span], current: int) -> None:
-        """Make these ranges of gradient set `current` ready to send: into the narrower
-        wire buffers under --compress (one converting copy, from the device on a GPU),
-        else staged to the host mirrors (nothing to do on the CPU)."""
-        if self._wires:
-            wire, grads = self._wires[current], self.flat.grads
-            with torch.no_grad():
-                for s in spans:
-                    wire[s.bucket][s.start:s.stop].copy_(grads[s.bucket][s.start:s.stop])
-        else:
-            self.flat.stage(weights=False, spans=spans)
 
     def _batches_next(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._batches is not None

@@ -327,9 +327,10 @@ def _parser() -> argparse.ArgumentParser:
                             "public keys are in DIR/authorized (see `tensorbus keys`)")
         p.add_argument("--resume", action="store_true",
                        help="go on from the newest checkpoint in --checkpoint-dir (if any)")
-        p.add_argument("--compress", choices=("bf16", "fp16"),
-                       help="push gradients in this dtype: half the bytes; the coordinator "
-                            "keeps fp32 weights (sync, ssp, async)")
+        p.add_argument("--compress", metavar="bf16|fp16|topk:R",
+                       help="push gradients in bf16 or fp16 (half the bytes), or as the "
+                            "largest R of their elements (topk:0.01: 1%%, with error "
+                            "feedback); the coordinator keeps fp32 weights (sync, ssp, async)")
         p.add_argument("--eval-every", type=float, metavar="SECONDS",
                        help="copy the weights every SECONDS of training and evaluate the copies "
                             "after training (accuracy against time, in --metrics)")

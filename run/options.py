@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from bus.layout import Compression
 from bus.security import load_server_keys
 from nodes.colocated import Colocated
 from nodes.config import CoordinatorConfig
@@ -49,7 +50,7 @@ class RunOptions:
     resume: bool = False
     keys: Path | None = None  # a key directory (see `tensorbus keys`): CURVE on every socket
     trace: Path | None = None  # a Chrome trace-event timeline of the run, written here
-    compress: str = ""  # "bf16" or "fp16": gradients pushed in that dtype
+    compress: str = ""  # "bf16", "fp16" or "topk:R": how gradients are pushed
     shards: int = 1  # coordinator shards, each owning a range of the parameters
     # `local` only: each worker process serves one coordinator shard (nodes.colocated).
     colocate: bool = False
@@ -82,6 +83,7 @@ class RunOptions:
         strategy = make_strategy(self)  # one-line errors for its options now, not at start-up
         if self.colocate:
             self._check_colocate(strategy)
+        Compression.parse(self.compress)  # a one-line error naming the choices
         if self.compress and strategy.rhythm.push is PushKind.WEIGHTS:
             raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
                              "pushes weights: drop it, or choose sync, ssp or async")

@@ -69,6 +69,7 @@ class DropReason(str, enum.Enum):
     EARLY = "early"  # pushed before training started (before the start gate opened)
     NOT_MEMBER = "not_member"  # the sender is not (or no longer) a training member
     NOT_FINITE = "not_finite"  # holds NaN or infinity
+    OUT_OF_RANGE = "out_of_range"  # a sparse (top-k) update names elements the model lacks
 
 
 # Events -------------------------------------------------------------------------------

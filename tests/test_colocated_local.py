@@ -46,16 +46,15 @@ def test_colocated_gives_the_figures_of_a_central_coordinator(tmp_path: Path) ->
 
 
 def test_a_killed_worker_ends_the_run_in_one_line(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, "killed")
+    spec, metrics = _spec(tmp_path, "killed"), tmp_path / "m.jsonl"
     launcher = subprocess.Popen(
-        [*TENSORBUS, "local", str(spec), "--workers", "3", "--colocate", "--steps", "100000", *FAST],
+        [*TENSORBUS, "local", str(spec), "--workers", "3", "--colocate", "--steps", "100000", *FAST,
+         "--metrics", str(metrics)],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not (children := [int(line.split(":")[0]) for line in _left_running(CHILD)]):
-            assert time.monotonic() < deadline, "no colocated worker started"
-            time.sleep(0.2)
-        time.sleep(4)  # training by now
+        _wait_for_a_step(metrics)
+        children = [int(line.split(":")[0]) for line in _left_running(CHILD)]
+        assert len(children) == 2
         subprocess.run(["kill", "-KILL", str(children[-1])], check=False)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 1
@@ -79,10 +78,7 @@ def test_sigterm_checkpoints_every_shard_and_resume_goes_on(tmp_path: Path) -> N
          "--checkpoint-dir", str(checkpoints), "--metrics", str(metrics)],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
-            assert time.monotonic() < deadline, "no step was taken"
-            time.sleep(0.2)
+        _wait_for_a_step(metrics)
         launcher.send_signal(signal.SIGTERM)
         out, err = launcher.communicate(timeout=60)
     finally:
@@ -99,6 +95,13 @@ def test_sigterm_checkpoints_every_shard_and_resume_goes_on(tmp_path: Path) -> N
                              "--steps", str(stopped["steps"] + 5)]))
     assert resumed["resumed_from"] == stopped["steps"] and resumed["steps"] == stopped["steps"] + 5
     assert _left_running(CHILD) == []
+
+
+def _wait_for_a_step(metrics: Path) -> None:
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
+        assert time.monotonic() < deadline, "no step was taken"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize(("extra", "says"), [

@@ -1,0 +1,80 @@
+"""What a worker's pushes carry: made once, filled range by range as backward finishes.
+
+A worker pushes each coordinator shard its range of the model (the whole model when there
+is one coordinator). The `Outbox` holds, per gradient set and per shard, the tensors that
+go on the wire, made once, and `fill(shard, set)` makes one shard's part ready to send,
+on the thread that runs backward, as soon as backward has finished that range:
+
+- as they are: the flat gradient itself (on the CPU nothing is done; on a GPU its range
+  is copied to the pinned host mirror);
+- `--compress bf16|fp16`: converted into buffers of the narrower dtype (one copy);
+- `--compress topk:R`: the k = ceil(R * n) elements of largest magnitude of each range,
+  as int64 indices and their values, with error feedback (Stich et al. 2018, "Sparsified
+  SGD with memory"): what is not sent stays in a residual and is added to the next
+  gradient, so every element's gradient is sent eventually, and nothing is lost.
+
+Weights (periodic averaging) travel as they are, from the flat weights (or their mirror).
+Nothing here allocates a gradient-sized buffer after construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bus.layout import Compression, Shard
+from nodes.flat import FlatModel
+
+
+class Outbox:
+    def __init__(self, flat: FlatModel, shards: list[Shard], compression: Compression, *,
+                 weights: bool) -> None:
+        self._flat, self._shards, self._compression = flat, shards, compression
+        self._narrow = compression.dtype is not None and not weights
+        self._topk = compression.topk is not None and not weights
+        self.parts: list[list[tuple[torch.Tensor, ...]]]  # [gradient set][shard] -> tensors
+        if weights:
+            self.parts = [[shard.take(flat.host_weights) for shard in shards]]
+        elif self._topk:
+            self.parts = [[self._sparse(shard) for shard in shards] for _ in range(flat.grad_sets)]
+            device = flat.device
+            # What was not sent yet, and a scratch buffer for magnitudes (no allocation later).
+            self._residual = tuple(torch.zeros_like(g, device=device) for g in flat.grads)
+            self._magnitude = tuple(torch.zeros_like(g, device=device) for g in flat.grads)
+        elif self._narrow:
+            wires = [flat.layout.on_wire(compression.dtype).allocate() for _ in range(flat.grad_sets)]
+            self.parts = [[shard.take(wire) for shard in shards] for wire in wires]
+        else:
+            self.parts = [[shard.take(grads) for shard in shards] for grads in flat.host_grad_sets]
+
+    def _sparse(self, shard: Shard) -> tuple[torch.Tensor, ...]:
+        """Per span of the shard: an index tensor and a value tensor of k elements."""
+        tensors: list[torch.Tensor] = []
+        for span, bucket in zip(shard.spans, shard.layout.buckets, strict=True):
+            k = self._compression.keep(span.numel)
+            tensors += [torch.zeros(k, dtype=torch.int64), torch.zeros(k, dtype=bucket.dtype)]
+        return tuple(tensors)
+
+    def fill(self, index: int, current: int) -> None:
+        """Make shard `index`'s part of gradient set `current` ready to send."""
+        spans = self._shards[index].spans
+        grads = self._flat.grads
+        if self._topk:
+            part = self.parts[current][index]
+            with torch.no_grad():
+                for n, s in enumerate(spans):
+                    residual = self._residual[s.bucket][s.start:s.stop]
+                    magnitude = self._magnitude[s.bucket][s.start:s.stop]
+                    residual.add_(grads[s.bucket][s.start:s.stop])  # gradient + what was left
+                    torch.abs(residual, out=magnitude)
+                    indices, values = part[2 * n], part[2 * n + 1]
+                    chosen = torch.topk(magnitude, indices.numel(), sorted=False).indices
+                    indices.copy_(chosen)
+                    values.copy_(residual[chosen])
+                    residual.index_fill_(0, chosen, 0)  # sent: no longer owed
+        elif self._narrow:
+            part = self.parts[current][index]
+            with torch.no_grad():
+                for wire, s in zip(part, spans, strict=True):
+                    wire.copy_(grads[s.bucket][s.start:s.stop])
+        else:
+            self._flat.stage(weights=False, spans=spans)
