@@ -67,6 +67,7 @@ def cases(quick: bool) -> dict[str, Callable[[], float]]:
     table["c/1M/naive-ps"] = lambda: steps.naive_ps("1M", pushes // 2)
     table["c/1M/tensorbus-async"] = lambda: steps.tensorbus_async("1M", pushes)
     table["c/1M/tensorbus-async-bf16"] = lambda: steps.tensorbus_async("1M", pushes, compress="bf16")
+    table["c/1M/tensorbus-async-topk"] = lambda: steps.tensorbus_async("1M", pushes, compress="topk:0.01")
     for workers in (1, 2, 4):
         table[f"d/1M/ddp-{workers}w"] = lambda w=workers: steps.ddp("1M", 4 * n, w)
         if workers == 1:  # one worker: nothing to colocate with
@@ -95,6 +96,8 @@ RATIOS = {  # name -> (numerator, denominator, what it says)
     "c/1M: tensorbus async / naive PS": ("c/1M/tensorbus-async", "c/1M/naive-ps", "updates/s; >= 4 wanted"),
     "c/1M: tensorbus async bf16 / naive PS": ("c/1M/tensorbus-async-bf16", "c/1M/naive-ps",
                                               "updates/s, --compress bf16"),
+    "c/1M: tensorbus async top-1% / naive PS": ("c/1M/tensorbus-async-topk", "c/1M/naive-ps",
+                                                "updates/s, --compress topk:0.01"),
     "d/1M: 2 workers, colocated / DDP": ("d/1M/tensorbus-colocated-2w", "d/1M/ddp-2w", "step time"),
     "d/1M: 4 workers, colocated / DDP": ("d/1M/tensorbus-colocated-4w", "d/1M/ddp-4w", "step time"),
 }

@@ -31,6 +31,7 @@ from nodes.worker import ComputeError, DataError, Worker
 from run import cluster, device
 from run.faults import parse_worker
 from run.local import LocalRunError, launch_local
+from run.memory import keep_freed_memory
 from run.options import RunOptions, make_coordinator
 from run.pernode import launch_node
 from run.progress import ProgressLine
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     error_prefix = "error: " if args.command == "worker" else "tensorbus: error: "
 
     def fail(e: BaseException, text: str, status: int) -> int:

@@ -40,6 +40,7 @@ from run.local import (
     _reap,
     _relay,
 )
+from run.memory import keep_freed_memory
 from run.options import RunOptions, make_colocated
 from run.signals import stopping_on_signals
 from run.spec import load_spec
@@ -181,6 +182,7 @@ def _child() -> int:
     logging.basicConfig(level=orders["log_level"].upper(), stream=sys.stderr, datefmt="%H:%M:%S",
                         format="%(asctime)s worker %(levelname)s %(message)s")
     torch.set_num_threads(orders["threads"])
+    keep_freed_memory()
     try:
         options = _from_json(orders["options"])
         node = make_colocated(load_spec(orders["spec"]), options, index=orders["index"],
