@@ -4,7 +4,7 @@ In one event loop over real ZeroMQ (each node's own shard in-process, the others
 loopback): sync steps as one coordinator does, to 1e-5, with 2 and 3 workers, and so does
 periodic averaging; every worker ends holding the final weights; evaluate sees them; a
 strategy whose workers do not wait for every version, and a wrong endpoint list, are
-refused with what to do. `tensorbus local --colocate` is tested in tests/test_local.py.
+refused with what to do. `tensorbus local --colocate` is tested in tests/test_colocated_local.py.
 """
 
 from __future__ import annotations
@@ -13,34 +13,22 @@ import asyncio
 
 import pytest
 import torch
-from specs import load_example
+from equivalence import BATCH, digits, initial, max_difference, sgd
 
 from nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
 
-digits = load_example("digits")
-LR, MOMENTUM, BATCH = 0.05, 0.9, 16
-
-
-def _sgd(params):  # type: ignore[no-untyped-def]
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-
-
-def _initial() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return digits.model()
-
 
 def _central(make: type[Strategy], workers: int, steps: int, **options: object) -> torch.nn.Module:
     """The same run with one coordinator: its final weights."""
 
     async def train() -> torch.nn.Module:
-        coordinator = Coordinator(model=_initial(), strategy=make(workers=workers, **options),
-                                  optimizer=_sgd, config=CoordinatorConfig(batch_size=BATCH, steps=steps))
+        coordinator = Coordinator(model=initial(), strategy=make(workers=workers, **options),
+                                  optimizer=sgd, config=CoordinatorConfig(batch_size=BATCH, steps=steps))
         endpoint = coordinator.bind()
-        ws = [Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=_sgd,
+        ws = [Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=sgd,
                      config=WorkerConfig(connect=endpoint, rank=r)) for r in range(workers)]
         await asyncio.gather(coordinator.run(), *(w.run() for w in ws))
         return coordinator.model
@@ -51,20 +39,16 @@ def _central(make: type[Strategy], workers: int, steps: int, **options: object) 
 def _colocated(make: type[Strategy], workers: int, steps: int, evaluate: bool = False,
                **options: object) -> tuple[list[Colocated], list[dict]]:
     async def train() -> tuple[list[Colocated], list[dict]]:
-        nodes = [Colocated(index=i, count=workers, model=_initial(), data=digits.data,
+        nodes = [Colocated(index=i, count=workers, model=initial(), data=digits.data,
                            loss=digits.loss, strategy=make(workers=workers, **options),
                            config=CoordinatorConfig(batch_size=BATCH, steps=steps),
-                           optimizer=_sgd, evaluate=digits.evaluate if evaluate and i == 0 else None)
+                           optimizer=sgd, evaluate=digits.evaluate if evaluate and i == 0 else None)
                  for i in range(workers)]
         endpoints = [n.bind() for n in nodes]
         results = await asyncio.gather(*(n.run(WorkerConfig(connect=endpoints)) for n in nodes))
         return nodes, [summary for summary, _ in results]
 
     return asyncio.run(train())
-
-
-def _max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -74,14 +58,14 @@ def test_sync_on_colocated_shards_gives_the_weights_of_one_coordinator(workers: 
     assert [s["steps"] for s in summaries] == [8] * workers
     for node in nodes:  # every worker holds the final model, all of it
         assert node.worker is not None and node.worker.version == 8
-        assert _max_difference(central, node.worker.flat.module) <= 1e-5
-    assert _max_difference(central, _initial()) > 1e-3  # it did train
+        assert max_difference(central, node.worker.flat.module) <= 1e-5
+    assert max_difference(central, initial()) > 1e-3  # it did train
 
 
 def test_averaging_on_colocated_shards_gives_the_weights_of_one_coordinator() -> None:
     central = _central(PeriodicAveraging, 2, steps=3, average_every=2)
     nodes, _ = _colocated(PeriodicAveraging, 2, steps=3, average_every=2)
-    assert all(_max_difference(central, n.worker.flat.module) <= 1e-5 for n in nodes)  # type: ignore[union-attr]
+    assert all(max_difference(central, n.worker.flat.module) <= 1e-5 for n in nodes)  # type: ignore[union-attr]
 
 
 def test_the_first_node_evaluates_the_whole_final_model() -> None:
@@ -94,12 +78,12 @@ def test_the_first_node_evaluates_the_whole_final_model() -> None:
 @pytest.mark.parametrize("make", [StaleSync, Async])
 def test_strategies_that_do_not_wait_for_every_version_are_refused(make: type[Strategy]) -> None:
     with pytest.raises(ValueError, match="wait for every version .* use a central coordinator"):
-        Colocated(index=0, count=2, model=_initial(), data=digits.data, loss=digits.loss,
+        Colocated(index=0, count=2, model=initial(), data=digits.data, loss=digits.loss,
                   strategy=make(workers=2), config=CoordinatorConfig(steps=1))
 
 
 def test_one_endpoint_per_shard_is_needed() -> None:
-    node = Colocated(index=0, count=2, model=_initial(), data=digits.data, loss=digits.loss,
+    node = Colocated(index=0, count=2, model=initial(), data=digits.data, loss=digits.loss,
                      strategy=Sync(workers=2), config=CoordinatorConfig(steps=1))
     with pytest.raises(ValueError, match="1 endpoints for 2 colocated shards"):
         asyncio.run(node.run(WorkerConfig(connect="tcp://127.0.0.1:1")))

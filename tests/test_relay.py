@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from cluster import free_ports
-from specs import load_example
+from equivalence import BATCH, digits, initial, max_difference, sgd
 
 from bus.errors import RejectedError
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
@@ -22,29 +22,18 @@ from strategies import Async, PeriodicAveraging, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
 
-digits = load_example("digits")
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "examples" / "digits.py"
-LR, MOMENTUM, BATCH = 0.05, 0.9, 16
-
-
-def _sgd(params):  # type: ignore[no-untyped-def]
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-
-
-def _initial() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return digits.model()
 
 
 def _worker(endpoint: str) -> Worker:
-    return Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=_sgd,
+    return Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=sgd,
                   config=WorkerConfig(connect=endpoint))
 
 
 def _flat(strategy: Strategy, steps: int) -> torch.nn.Module:
     async def train() -> torch.nn.Module:
-        root = Coordinator(model=_initial(), strategy=strategy, optimizer=_sgd,
+        root = Coordinator(model=initial(), strategy=strategy, optimizer=sgd,
                            config=CoordinatorConfig(batch_size=BATCH, steps=steps))
         endpoint = root.bind()
         await asyncio.gather(root.run(), *(_worker(endpoint).run() for _ in range(strategy.workers)))
@@ -56,7 +45,7 @@ def _flat(strategy: Strategy, steps: int) -> torch.nn.Module:
 def _tree(root_strategy: Strategy, local: type[Strategy], steps: int, relays: int = 2,
           per_relay: int = 2, **options: object) -> tuple[torch.nn.Module, list[dict]]:
     async def train() -> tuple[torch.nn.Module, list[dict]]:
-        root = Coordinator(model=_initial(), strategy=root_strategy, optimizer=_sgd,
+        root = Coordinator(model=initial(), strategy=root_strategy, optimizer=sgd,
                            config=CoordinatorConfig(batch_size=BATCH, steps=steps))
         upstream = root.bind()
         tree = [Relay(model=digits.model(), strategy=local(workers=per_relay, **options),
@@ -73,15 +62,11 @@ def _tree(root_strategy: Strategy, local: type[Strategy], steps: int, relays: in
     return asyncio.run(train())
 
 
-def _max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
-
-
 def test_a_sync_tree_gives_the_weights_of_the_flat_sync_run() -> None:
     flat = _flat(Sync(workers=4), steps=6)
     tree, summaries = _tree(Sync(workers=2), Sync, steps=6)
-    assert _max_difference(flat, tree) <= 1e-5
-    assert _max_difference(flat, _initial()) > 1e-3  # it did train
+    assert max_difference(flat, tree) <= 1e-5
+    assert max_difference(flat, initial()) > 1e-3  # it did train
     assert [s["ended"] for s in summaries] == ["the root stopped"] * 2
 
 
@@ -89,12 +74,12 @@ def test_an_averaging_tree_gives_the_weights_of_the_flat_averaging_run() -> None
     flat = _flat(PeriodicAveraging(workers=4, average_every=2), steps=3)
     tree, _ = _tree(PeriodicAveraging(workers=2, average_every=2), PeriodicAveraging, steps=3,
                     average_every=2)
-    assert _max_difference(flat, tree) <= 1e-5
+    assert max_difference(flat, tree) <= 1e-5
 
 
 def test_relays_under_an_async_root_train() -> None:
     tree, summaries = _tree(Async(workers=2), Sync, steps=10)
-    assert _max_difference(tree, _initial()) > 1e-3
+    assert max_difference(tree, initial()) > 1e-3
     assert all(s["steps"] >= 1 for s in summaries)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from cluster import free_ports
-from specs import load_example
+from equivalence import BATCH, digits, initial, max_difference, sgd
 
 from bus.layout import Layout
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
@@ -22,19 +22,8 @@ from strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
 
-digits = load_example("digits")
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "examples" / "digits.py"
-LR, MOMENTUM, BATCH = 0.05, 0.9, 16
-
-
-def _sgd(params):  # type: ignore[no-untyped-def]
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-
-
-def _initial() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return digits.model()
 
 
 def _train(make: type[Strategy] | Strategy, shards: int, steps: int, workers: int = 2,
@@ -43,27 +32,23 @@ def _train(make: type[Strategy] | Strategy, shards: int, steps: int, workers: in
     workers; return the assembled model and the shards' summaries."""
 
     async def train() -> tuple[torch.nn.Module, list[dict]]:
-        models = ([_initial()] if shards == 1
-                  else [ShardModel(_initial(), i, shards) for i in range(shards)])
+        models = ([initial()] if shards == 1
+                  else [ShardModel(initial(), i, shards) for i in range(shards)])
         coordinators = [
-            Coordinator(model=m, strategy=make(workers=workers, **options), optimizer=_sgd,
+            Coordinator(model=m, strategy=make(workers=workers, **options), optimizer=sgd,
                         config=CoordinatorConfig(batch_size=BATCH, steps=steps))
             for m in models]
         endpoints = [c.bind() for c in coordinators]
         worker_list = [
-            Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=_sgd,
+            Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=sgd,
                    config=WorkerConfig(connect=endpoints, rank=rank))
             for rank in range(workers)]
         results = await asyncio.gather(*(c.run() for c in coordinators),
                                        *(w.run() for w in worker_list))
-        model = models[0] if shards == 1 else assemble(_initial(), models)
+        model = models[0] if shards == 1 else assemble(initial(), models)
         return model, list(results[:shards])
 
     return asyncio.run(train())
-
-
-def _max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("shards", [2, 3])
@@ -71,21 +56,21 @@ def test_sync_shards_give_the_weights_of_one_coordinator(shards: int) -> None:
     one, _ = _train(Sync, 1, steps=6)
     sharded, summaries = _train(Sync, shards, steps=6)
     assert [s["steps"] for s in summaries] == [6] * shards
-    assert _max_difference(one, sharded) <= 1e-5
-    assert _max_difference(one, _initial()) > 1e-3  # it did train
+    assert max_difference(one, sharded) <= 1e-5
+    assert max_difference(one, initial()) > 1e-3  # it did train
 
 
 def test_average_shards_give_the_weights_of_one_coordinator() -> None:
     one, _ = _train(PeriodicAveraging, 1, steps=3, average_every=2)
     sharded, _ = _train(PeriodicAveraging, 2, steps=3, average_every=2)
-    assert _max_difference(one, sharded) <= 1e-5
+    assert max_difference(one, sharded) <= 1e-5
 
 
 @pytest.mark.parametrize("make", [StaleSync, Async])
 def test_ssp_and_async_train_on_shards(make: type[Strategy]) -> None:
     model, summaries = _train(make, 2, steps=12)
     assert [s["steps"] for s in summaries] == [12, 12]
-    assert _max_difference(model, _initial()) > 1e-3
+    assert max_difference(model, initial()) > 1e-3
 
 
 # Units -----------------------------------------------------------------------------------
@@ -129,23 +114,23 @@ def test_too_many_shards_or_a_bad_index_is_refused() -> None:
 
 
 def test_a_shard_model_puts_its_range_back() -> None:
-    model = _initial()
+    model = initial()
     shards = [ShardModel(model, i, 3) for i in range(3)]
     with torch.no_grad():
         for shard in shards:
             for p in shard.parameters():
                 p.add_(1.0)
-    rebuilt = assemble(_initial(), shards)
+    rebuilt = assemble(initial(), shards)
     for a, b in zip(rebuilt.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b + 1.0)
 
 
 def test_a_shard_refuses_evaluation_points() -> None:
     with pytest.raises(ValueError, match="a shard holds a range of it"):
-        Coordinator(model=ShardModel(_initial(), 0, 2), strategy=Sync(workers=1),
+        Coordinator(model=ShardModel(initial(), 0, 2), strategy=Sync(workers=1),
                     config=CoordinatorConfig(steps=1, eval_every_s=1.0))
     with pytest.raises(TypeError, match="computes nothing"):
-        ShardModel(_initial(), 0, 2)(torch.zeros(1, 64))
+        ShardModel(initial(), 0, 2)(torch.zeros(1, 64))
 
 
 # Processes -------------------------------------------------------------------------------
