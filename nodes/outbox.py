@@ -11,7 +11,10 @@ on the thread that runs backward, as soon as backward has finished that range:
 - `--compress topk:R`: the k = ceil(R * n) elements of largest magnitude of each range,
   as int64 indices and their values, with error feedback (Stich et al. 2018, "Sparsified
   SGD with memory"): what is not sent stays in a residual and is added to the next
-  gradient, so every element's gradient is sent eventually, and nothing is lost.
+  gradient, so every element's gradient is sent eventually. What a push carried is no
+  longer owed once it is sent: if the coordinator then drops the push (late, under
+  backups), it is lost, as a dense push's gradient would be; so is the residual of a
+  worker that leaves (a rejoining worker starts a new one).
 
 Weights (periodic averaging) travel as they are, from the flat weights (or their mirror).
 Nothing here allocates a gradient-sized buffer after construction.
@@ -62,15 +65,25 @@ class Outbox:
             part = self.parts[current][index]
             with torch.no_grad():
                 for n, s in enumerate(spans):
+                    grad = grads[s.bucket][s.start:s.stop]
                     residual = self._residual[s.bucket][s.start:s.stop]
                     magnitude = self._magnitude[s.bucket][s.start:s.stop]
-                    residual.add_(grads[s.bucket][s.start:s.stop])  # gradient + what was left
-                    torch.abs(residual, out=magnitude)
+                    torch.abs(grad, out=magnitude)
+                    # A NaN or inf added to the residual would stay there, k elements
+                    # sent (and dropped) a push, for about 1/R pushes: a non-finite
+                    # gradient is sent as it is (the coordinator drops it, as it would a
+                    # dense one) and the residual is left as it was.
+                    finite = bool(torch.isfinite(magnitude.max()))
+                    if finite:
+                        residual.add_(grad)  # gradient + what was left
+                        torch.abs(residual, out=magnitude)
+                    source = residual if finite else grad
                     indices, values = part[2 * n], part[2 * n + 1]
                     chosen = torch.topk(magnitude, indices.numel(), sorted=False).indices
                     indices.copy_(chosen)
-                    values.copy_(residual[chosen])
-                    residual.index_fill_(0, chosen, 0)  # sent: no longer owed
+                    values.copy_(source[chosen])
+                    if finite:
+                        residual.index_fill_(0, chosen, 0)  # sent: no longer owed
         elif self._narrow:
             part = self.parts[current][index]
             with torch.no_grad():

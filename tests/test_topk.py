@@ -2,8 +2,9 @@
 
 Unit: the worker's outbox sends k = ceil(R n) elements per range, the largest by magnitude
 of the gradient plus what was left before, and owes exactly the rest: after any number of
-steps, what was sent plus the residual is the sum of the gradients; its wire layout is an
-index and a value bucket per range. Integration (one loop, real ZeroMQ): sync trains on
+steps, what was sent plus the residual is the sum of the gradients; a non-finite gradient
+is sent as it is and leaves the residual alone; its wire layout is an index and a value
+bucket per range. Integration (one loop, real ZeroMQ): sync trains on
 top-k pushes, the coordinator adding them into zeros at their indices; a member's update
 naming an element the model lacks is dropped and counted, and changes nothing.
 """
@@ -76,6 +77,25 @@ def test_what_was_sent_plus_what_is_owed_is_every_gradient(shards: int) -> None:
     for s, r, t in zip(sent, outbox._residual, total, strict=True):
         assert torch.allclose(s + r.double(), t, atol=1e-4)
 
+
+
+def test_a_non_finite_gradient_is_sent_as_it_is_and_leaves_the_residual_alone() -> None:
+    torch.manual_seed(0)
+    flat = FlatModel(torch.nn.Linear(40, 25))
+    whole = [flat.layout.shard(0, 1)]
+    outbox = Outbox(flat, whole, Compression.parse("topk:0.01"), weights=False)
+    flat.grads[0].copy_(torch.randn(flat.grads[0].numel()))
+    outbox.fill(0, 0)
+    owed = outbox._residual[0].clone()
+    # More NaNs than k: were they added to the residual, it would send NaN for many pushes.
+    flat.grads[0].copy_(torch.randn(flat.grads[0].numel()))
+    flat.grads[0][:50] = float("nan")
+    outbox.fill(0, 0)
+    assert not torch.isfinite(outbox.parts[0][0][1]).all()  # sent: the coordinator drops it
+    assert torch.equal(outbox._residual[0], owed)
+    flat.grads[0].copy_(torch.randn(flat.grads[0].numel()))
+    outbox.fill(0, 0)
+    assert torch.isfinite(outbox.parts[0][0][1]).all()  # the next push is clean
 
 def _coordinator(compress: str, steps: int = 40) -> Coordinator:
     torch.manual_seed(0)
