@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from nodes.outbox import Outbox
 from strategies.base import PushKind, Wait
 
 log = logging.getLogger("tensorbus.worker")
+_T = TypeVar("_T")
 
 Data = Callable[[int, int, int], Iterable[Any]]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -258,14 +259,15 @@ class Worker:
             latest = [link.latest() for link in self.links]
             computed_on = [w.version if w is not None else link.version
                            for link, w in zip(self.links, latest, strict=True)]
-            ready = [asyncio.get_running_loop().create_future() for _ in self.links]
             loop = asyncio.get_running_loop()
-            compute = asyncio.ensure_future(asyncio.to_thread(
+            ready = [loop.create_future() for _ in self.links]
+            clock = self.clock  # what this push counts (the clock moves on once it is sent)
+            compute, ended = _in_thread(loop, functools.partial(
                 self._compute, latest, welcome.local_steps, current,
                 functools.partial(_announce, loop, ready) if early else None,
                 functools.partial(loop.call_soon_threadsafe, self._forget_loaded)))
             del latest  # the compute thread lets go of the frames once they are loaded
-            async with _cancelling(compute):
+            async with _finishing(ended):
                 if previous is not None:
                     # The last push's answers, taken while this gradient is computed.
                     answers = await previous.answers
@@ -274,7 +276,7 @@ class Worker:
                     await asyncio.gather(*(link.await_version(newer_than=v) for link, v in waits))
                     previous = None
                 pushes = asyncio.ensure_future(asyncio.gather(*(
-                    self._push_when_ready(link, ready[i], compute, computed_on[i],
+                    self._push_when_ready(link, ready[i], compute, computed_on[i], clock,
                                           parts[current][i], began, started, comm_s, wait_s)
                     for i, link in enumerate(self.links))))
                 async with _cancelling(pushes):
@@ -303,7 +305,7 @@ class Worker:
 
     async def _push_when_ready(
         self, link: Link, ready: asyncio.Future[None], compute: asyncio.Future[tuple[float, int]],
-        version: int, part: tuple[torch.Tensor, ...], began: float, started: float,
+        version: int, clock: int, part: tuple[torch.Tensor, ...], began: float, started: float,
         comm_s: float, wait_s: float,
     ) -> tuple[Message, Tracker | None]:
         """Send this shard its part once backward has finished it (or the compute is over)
@@ -314,7 +316,7 @@ class Worker:
             loss, samples = compute.result()
         else:
             loss, samples = self._forward
-        push = Push(sender=self.rank, version=version, clock=self.clock, loss=loss,
+        push = Push(sender=self.rank, version=version, clock=clock, loss=loss,
                     samples=samples, tensors=part, began=began,
                     compute_s=time.monotonic() - started, comm_s=comm_s, wait_s=wait_s)
         return await link.request_tracked(push, patient=True)
@@ -497,6 +499,34 @@ def _announce(loop: asyncio.AbstractEventLoop, ready: list[asyncio.Future[None]]
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _in_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], _T]
+               ) -> tuple[asyncio.Future[_T], asyncio.Future[None]]:
+    """Run `work` in a thread: its result, and a future done when the thread has ended,
+    which cancelling the first does not change (a running thread cannot be cancelled)."""
+    ended = loop.create_future()
+
+    def run() -> _T:
+        try:
+            return work()
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_resolve, ended)
+
+    return asyncio.ensure_future(asyncio.to_thread(run)), ended
+
+
+@contextlib.asynccontextmanager
+async def _finishing(ended: asyncio.Future[None]) -> AsyncIterator[None]:
+    """Run the body beside the compute thread; if the body fails, wait for the thread to
+    end before going on: until then it writes the model, the gradients and the outbox,
+    which whatever comes next (loading the final weights, a new session) uses too."""
+    try:
+        yield
+    except BaseException:
+        await asyncio.wait({ended})
+        raise
 
 
 @contextlib.asynccontextmanager

@@ -10,6 +10,8 @@ gaps and staleness; async applies every gradient as it comes.
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,13 +41,14 @@ def _initial() -> torch.nn.Module:
     return digits.model()
 
 
-def _train(strategy: Strategy, steps: int, b: int) -> tuple[Coordinator, dict]:
+def _train(strategy: Strategy, steps: int, b: int, metrics: Path | None = None,
+           ) -> tuple[Coordinator, dict]:
     """Train with in-loop workers (plain SGD everywhere) and return the coordinator and summary."""
 
     async def train() -> tuple[Coordinator, dict]:
         coordinator = Coordinator(
             model=_initial(), strategy=strategy, optimizer=_sgd,
-            config=CoordinatorConfig(batch_size=b, steps=steps),
+            config=CoordinatorConfig(batch_size=b, steps=steps, metrics=metrics),
         )
         endpoint = coordinator.bind()
         workers = [
@@ -147,6 +150,19 @@ def test_async_applies_every_gradient_and_records_staleness() -> None:
     applied = sum(c["applied"] for c in summary["per_worker"].values())
     assert applied == steps
     assert all(c["held_s"] == 0 for c in summary["per_worker"].values())
+
+
+@pytest.mark.parametrize("strategy", [Sync(workers=2), Async(workers=2),
+                                      PeriodicAveraging(workers=2, average_every=2)],
+                         ids=["sync", "async", "average"])
+def test_a_workers_pushes_carry_its_clock_counted_from_zero(strategy: Strategy, tmp_path: Path) -> None:
+    # The clock a push carries is the number of pushes before it, whether the push left
+    # during backward or after it (weights under average, async's pipelined pushes).
+    _train(strategy, 12, 8, metrics=tmp_path / "m.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    for rank in range(2):
+        clocks = [r["clock"] for r in records if r["event"] == "worker" and r["rank"] == rank]
+        assert len(clocks) >= 4 and clocks == list(range(len(clocks))), (rank, clocks)
 
 
 def test_a_worker_removed_while_held_is_told_so_not_left_waiting() -> None:
