@@ -76,12 +76,16 @@ class Colocated:
         self.index, self.count = index, count
         self._model, self._data, self._loss, self._optimizer = model, data, loss, optimizer
         self.hub = Hub()
-        self.coordinator = Coordinator(
-            model=ShardModel(model, index, count), strategy=strategy, config=config,
-            optimizer=optimizer, lr=lr, on_step=on_step, hub=self.hub,
-            # The whole model is the worker's, and it holds the final weights by then.
-            evaluate=(lambda _: evaluate(model)) if evaluate is not None else None,
-        )
+        try:
+            self.coordinator = Coordinator(
+                model=ShardModel(model, index, count), strategy=strategy, config=config,
+                optimizer=optimizer, lr=lr, on_step=on_step, hub=self.hub,
+                # The whole model is the worker's, and it holds the final weights by then.
+                evaluate=(lambda _: evaluate(model)) if evaluate is not None else None,
+            )
+        except BaseException:
+            self.hub.close()  # nobody else will
+            raise
         self.worker: Worker | None = None
 
     def bind(self) -> str:

@@ -206,6 +206,8 @@ class Coordinator:
         self._positions: dict[int, int] = {}  # rank -> batches of its shard used so far
         self._step_lock = asyncio.Lock()  # one update (or checkpoint) at a time
         self._stop_requested: str | None = None
+        self._stop_at: int | None = None  # the version a requested stop waits for
+        self._stop_timer: asyncio.TimerHandle | None = None
         self._failure: str | None = None  # why the run failed, raised once workers are told
         self._background: asyncio.Task[None] | None = None
         self._warned: dict[tuple[bytes, str], float] = {}  # rate limit of rejection warnings
@@ -317,13 +319,27 @@ class Coordinator:
         await self._carry_out(self.strategy.handle(Left(rank, time.monotonic())))
         return True
 
-    def request_stop(self, why: str) -> None:
+    def request_stop(self, why: str, *, at_version: int | None = None) -> None:
         """Stop gracefully (for SIGTERM or Ctrl-C): finish the update in flight, write a
         checkpoint (with a checkpoint_dir), tell the workers to stop, and return the summary.
-        Call it from the coordinator's event loop."""
+        With `at_version`, train on to that version first, then stop so: shards that must
+        end at one version (colocated, see run.colocated) are each told the same one. If
+        it is not reached within the stop timeout, stop where it is. Call it from the
+        coordinator's event loop."""
         if self._stop_requested is not None or self._done is None or self._done.done():
             return
         self._stop_requested = why
+        if at_version is not None and at_version > self.version:
+            log.warning("stop requested (%s): training on to version %d, then stopping",
+                        why, at_version)
+            self._stop_at = at_version
+            self._stop_timer = asyncio.get_running_loop().call_later(
+                self.config.stop_timeout_s, self._stop_now, why)
+            return
+        self._stop_now(why)
+
+    def _stop_now(self, why: str) -> None:
+        self._stop_at = None
         log.warning("stop requested (%s): finishing the update in flight", why)
         task = asyncio.get_running_loop().create_task(self._guard(self._graceful_stop(why)))
         self._background = task  # a reference, so that the task is not collected
@@ -340,6 +356,8 @@ class Coordinator:
         self.state = state
         if state is State.STOPPING:
             self._stop_deadline = time.monotonic() + self.config.stop_timeout_s
+            if self._stop_timer is not None:  # stopping anyway: no later stop to begin
+                self._stop_timer.cancel()
             self.metrics.training_ended()
         if state is State.STOPPED and self._done is not None and not self._done.done():
             self._done.set_result(None)
@@ -585,7 +603,13 @@ class Coordinator:
         if self._on_step is not None:
             self._on_step(Progress(self.version, self._target, loss, self.metrics.samples,
                                    self.metrics.wall_s(), done))
-        if done is not None and done >= 1.0:
+        if self._stop_at is not None and self.version >= self._stop_at:
+            self._stop_at = None
+            if self._stop_timer is not None:
+                self._stop_timer.cancel()
+            await self._checkpoint()
+            await self._stop(f"stop requested: {self._stop_requested}")
+        elif done is not None and done >= 1.0:
             what = (f"version {self.version}" if self._target is not None
                     else f"{self.metrics.samples} samples")
             await self._checkpoint()

@@ -9,28 +9,30 @@ Their stderr is relayed with a `[worker R]` prefix, as `local` does.
 
 Every process holds a shard of the model, so a worker that fails or dies ends the run with
 its one-line error: the others cannot go on without its part. Ctrl-C or SIGTERM here stops
-every shard gracefully (each finishes its update in flight and checkpoints, with
---checkpoint-dir), and a second one interrupts.
+every shard gracefully at one version (told to the others as a third line on stdin), each
+checkpointing there with --checkpoint-dir, so that `--resume` finds checkpoints that fit
+together; a second one interrupts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
-import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from bus.security import load_client_keys
 from bus.transport import new_event_loop
 from nodes.config import WorkerConfig
-from nodes.coordinator import Progress
+from nodes.coordinator import Coordinator, Progress
 from run.faults import parse_local, parse_worker
 from run.local import (
     ERROR_PREFIX,
@@ -48,6 +50,7 @@ from run.status import StatusTable
 
 KEY_NAME = "worker"  # the key pair `tensorbus keys` makes for workers, as `local` uses
 STARTUP_S = 120.0  # how long a worker process may take to import, build and bind
+T = TypeVar("T")
 
 
 async def launch_colocated(
@@ -89,9 +92,8 @@ async def launch_colocated(
         run = node.run(config)
         if status is not None:
             run = status.around(node.coordinator, run)
-        # A signal stops every shard: ours here, the others through theirs.
-        training = asyncio.create_task(stopping_on_signals(
-            [node.coordinator, _Children(children)], run))
+        # A signal stops every shard, at one version.
+        training = asyncio.create_task(stopping_on_signals(_Shards(node.coordinator, children), run))
         await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
             training.cancel()
@@ -118,16 +120,23 @@ def worker_config(options: RunOptions, *, rank: int, endpoints: list[str], devic
                         join_timeout_s=options.join_timeout_s, keys=keys)
 
 
-class _Children:
-    """Stops the other processes' shards: SIGTERM, which each takes as a graceful stop."""
+class _Shards:
+    """Stops every shard at the same version, so that their checkpoints fit together.
 
-    def __init__(self, children: list[asyncio.subprocess.Process]) -> None:
-        self._children = children
+    Under sync and average a worker computes on a version only once every shard has
+    published it, so no shard is more than one version from this one's: the next version
+    after this shard's is one that none has passed and every one can reach (the workers
+    train on until some shard stops)."""
+
+    def __init__(self, own: Coordinator, children: list[asyncio.subprocess.Process]) -> None:
+        self._own, self._children = own, children
 
     def request_stop(self, why: str) -> None:
+        at = self._own.version + 1
+        self._own.request_stop(why, at_version=at)
         for child in self._children:
             if child.returncode is None:
-                child.send_signal(signal.SIGTERM)
+                _write_line(child, {"stop": why, "at_version": at})
 
 
 def _fatal(why: str) -> str:
@@ -194,13 +203,34 @@ def _child() -> int:
         config = worker_config(options, rank=orders["index"], endpoints=json.loads(line)["endpoints"],
                                device=orders["device"])
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(stopping_on_signals(node.coordinator, node.run(config)))
+            runner.run(_serve(node.coordinator, node.run(config)))
         return 0
     except Exception as e:  # one line for the launcher, as `worker` does
         if orders["debug"]:
             logging.getLogger("tensorbus.worker").exception("worker %d failed", orders["index"])
         print(f"{ERROR_PREFIX}{e}", file=sys.stderr, flush=True)
         return 1
+
+
+
+async def _serve(coordinator: Coordinator, run: Awaitable[T]) -> T:
+    """A child's run: stopped by the launcher's stop orders (further lines on stdin) or,
+    if one is sent here directly, by a signal."""
+    loop = asyncio.get_running_loop()
+    threading.Thread(target=_read_stops, args=(loop, coordinator), daemon=True,
+                     name="tensorbus-stop-orders").start()
+    return await stopping_on_signals(coordinator, run)
+
+
+def _read_stops(loop: asyncio.AbstractEventLoop, coordinator: Coordinator) -> None:
+    """Hand each stop order from the launcher to the shard, until stdin closes."""
+    for line in sys.stdin:
+        order = json.loads(line)
+        try:
+            loop.call_soon_threadsafe(functools.partial(
+                coordinator.request_stop, order["stop"], at_version=order["at_version"]))
+        except RuntimeError:  # the loop is closed: the run is over
+            return
 
 
 if __name__ == "__main__":

@@ -75,6 +75,30 @@ def test_the_first_node_evaluates_the_whole_final_model() -> None:
     assert "accuracy" not in summaries[1]
 
 
+
+def test_a_stop_at_a_version_trains_on_to_it_on_every_shard() -> None:
+    # As `local --colocate` stops its shards on SIGTERM: each is told one version, one
+    # shard as soon as it takes version 3, the other only at its version 4.
+    async def train() -> list[dict]:
+        told: list[int] = []
+
+        def stop_at_six(shard: int, version: int) -> None:
+            if version == 3 + shard and shard not in told:
+                told.append(shard)
+                nodes[shard].coordinator.request_stop("test", at_version=6)
+
+        nodes = [Colocated(index=i, count=2, model=initial(), data=digits.data, loss=digits.loss,
+                           strategy=Sync(workers=2), optimizer=sgd,
+                           config=CoordinatorConfig(batch_size=BATCH, steps=1000),
+                           on_step=lambda p, i=i: stop_at_six(i, p.version)) for i in range(2)]
+        endpoints = [n.bind() for n in nodes]
+        results = await asyncio.gather(*(n.run(WorkerConfig(connect=endpoints)) for n in nodes))
+        return [summary for summary, _ in results]
+
+    summaries = asyncio.run(train())
+    assert [s["steps"] for s in summaries] == [6, 6]
+    assert all(s["ended"] == "stop requested: test" for s in summaries)
+
 @pytest.mark.parametrize("make", [StaleSync, Async])
 def test_strategies_that_do_not_wait_for_every_version_are_refused(make: type[Strategy]) -> None:
     with pytest.raises(ValueError, match="wait for every version .* use a central coordinator"):

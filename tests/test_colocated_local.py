@@ -2,8 +2,8 @@
 
 The same run as `local` without it gives the same figures to the last digit (2 and 3
 workers); a worker killed mid-run ends the run at once with its one-line error and leaves
-nothing running; SIGTERM stops every shard with a checkpoint and `--resume` goes on from
-them; options that cannot work colocated are refused in one line.
+nothing running; SIGTERM stops every shard at one version with a checkpoint and `--resume`
+goes on from them; options that cannot work colocated are refused in one line.
 """
 
 from __future__ import annotations
@@ -90,6 +90,9 @@ def test_sigterm_checkpoints_every_shard_and_resume_goes_on(tmp_path: Path) -> N
     assert stopped["ended"] == "stop requested: SIGTERM" and stopped["steps"] > 0
     shards = sorted(p.parent.name for p in checkpoints.glob("*/ckpt-*.pt"))
     assert shards == ["shard-0-of-2", "shard-1-of-2"]
+    # Every shard stopped at the same version: checkpoints that fit together.
+    versions = {p.parent.name: p.name for p in checkpoints.glob("*/ckpt-*.pt")}
+    assert versions == dict.fromkeys(shards, f"ckpt-{stopped['steps']:09d}.pt"), versions
     resumed = _summary(_run(["local", str(spec), "--workers", "2", "--colocate", *FAST,
                              "--checkpoint-dir", str(checkpoints), "--resume",
                              "--steps", str(stopped["steps"] + 5)]))
