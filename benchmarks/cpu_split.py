@@ -1,0 +1,119 @@
+"""Where the CPU of a colocated sync step goes, thread by thread (what limits b/ at 1M).
+
+Starts `tensorbus local benchmarks/mlp.py --workers 2 --colocate --strategy sync` (batch 64,
+one torch thread a process), lets it warm up, then reads the launcher's threads' CPU time
+from /proc over a window and divides by the versions taken in it. The launcher is worker 0
+and shard 0, as every process of the run is a worker and a shard. Threads are grouped by
+what runs on them: the event loop (the main thread: sockets, codec, the shard's reduce and
+step), ZeroMQ's I/O threads (`ZMQbg/IO/*`: the kernel's socket work), and the other threads
+(the compute thread: loading weights, forward, backward, filling the outbox; and pyzmq's
+zero-copy garbage collector). For the baseline it runs the single-process step of the same
+model in the same invocation. Linux only. About a minute:
+
+    python benchmarks/cpu_split.py [--params 1M] [--seconds 8]
+
+Writes benchmarks/results/cpu_split-PARAMS.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import steps
+
+RESULTS = ROOT / "benchmarks" / "results"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far (user + system), summed per group of the process's threads."""
+    groups: dict[str, float] = defaultdict(float)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+        if int(tid) == pid:
+            groups["event loop (main thread)"] += seconds
+        elif name.startswith("ZMQbg/IO"):
+            groups["ZeroMQ I/O threads"] += seconds
+        else:
+            groups["compute and other threads"] += seconds
+    return groups
+
+
+def last_version(metrics: Path) -> int:
+    versions = [json.loads(line)["version"] for line in metrics.read_text().splitlines()
+                if '"event": "step"' in line]
+    return versions[-1] if versions else 0
+
+
+def measure(params: str, seconds: float) -> dict[str, float]:
+    """Per-version CPU milliseconds of the launcher's thread groups."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        command = [sys.executable, "-m", "run", "local", steps.SPEC, "--workers", "2",
+                   "--colocate", "--strategy", "sync", "--steps", "1000000", "--threads", "1",
+                   "--metrics", str(metrics), "--no-progress", "--log-level", "error"]
+        launcher = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "BENCH_PARAMS": params},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (metrics.exists() and last_version(metrics) >= 100):  # warm
+                if launcher.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the run did not get going: {launcher.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+                time.sleep(0.2)
+            before, v0, t0 = thread_cpu(launcher.pid), last_version(metrics), time.monotonic()
+            time.sleep(seconds)
+            after, v1, t1 = thread_cpu(launcher.pid), last_version(metrics), time.monotonic()
+        finally:
+            launcher.send_signal(signal.SIGTERM)  # a graceful stop
+            try:
+                launcher.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.communicate()
+    versions = v1 - v0
+    split = {group: 1000 * (after[group] - before.get(group, 0.0)) / versions for group in after}
+    return {**split, "total": sum(split.values()), "wall": 1000 * (t1 - t0) / versions}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="1M", choices=["1M", "10M"])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    split = measure(args.params, args.seconds)
+    single = 1000 * steps.single(args.params, 200)
+    title = (f"`python benchmarks/cpu_split.py --params {args.params}` (launcher of `local "
+             f"--workers 2 --colocate`, per version, over {args.seconds:g} s)")
+    lines = [title, "",
+             "| where | CPU ms per version |", "|---|---:|"]
+    lines += [f"| {group} | {ms:.2f} |" for group, ms in split.items() if group not in ("total", "wall")]
+    lines += [f"| all threads of the process | {split['total']:.2f} |",
+              f"| wall time per version | {split['wall']:.2f} |",
+              f"| single-process step, same model and batch (wall) | {single:.2f} |"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"cpu_split-{args.params}"
+    (args.out / f"{name}.json").write_text(json.dumps({**split, "single": single}, indent=1) + "\n")
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
