@@ -10,7 +10,9 @@ answer), so that their ratios compare like with like:
 - `tensorbus`: the bus itself: a Push through `bus.codec` and `bus.transport`
   (`ZmqClient` -> `ZmqServer`), decoded on arrival, every frame checked.
 
-Each returns GB/s (10^9 bytes per second).
+Each returns GB/s (10^9 bytes per second). The sender of each pyzmq and tensorbus run is a
+fresh process too, as the receiver is: what one case leaves in a process (heaps, threads,
+pyzmq's zero-copy garbage collector's backlog) does not weigh on the next.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import multiprocessing as mp
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -60,6 +63,10 @@ def _raw_receiver(port: int, repeats: int) -> None:
 
 def raw_zmq(size: int, repeats: int, *, chunk: int | None) -> float:
     """Raw pyzmq PUSH -> PULL, zero-copy, one frame or `chunk`-byte frames."""
+    return _fresh(_raw_sender, size, repeats, chunk)
+
+
+def _raw_sender(size: int, repeats: int, chunk: int | None) -> float:
     port = _two_ports()
     receiver = mp.get_context("spawn").Process(target=_raw_receiver, args=(port, repeats))
     receiver.start()
@@ -109,6 +116,10 @@ def _bus_receiver(port: int, size: int, repeats: int) -> None:
 
 def tensorbus(size: int, repeats: int) -> float:
     """A Push of one float32 tensor of `size` bytes, through the bus's codec and sockets."""
+    return _fresh(_bus_sender, size, repeats)
+
+
+def _bus_sender(size: int, repeats: int) -> float:
     from bus.codec import encode
     from bus.messages import Push
     from bus.transport import ZmqClient, new_event_loop
@@ -136,10 +147,36 @@ def tensorbus(size: int, repeats: int) -> float:
             context.destroy(linger=0)
             client.close()
 
+    loop = new_event_loop()
     try:
-        return new_event_loop().run_until_complete(main())
+        return loop.run_until_complete(main())
     finally:
+        loop.close()
         receiver.join(30)
+
+
+def _fresh(sender: Callable[..., float], *args: Any) -> float:
+    """`sender(*args)` run in a new process: its result."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=_report, args=(results, sender, args))
+    process.start()
+    try:
+        gbps, error = results.get(timeout=600)
+    finally:
+        process.join(60)
+        if process.is_alive():
+            process.kill()
+    if error:
+        raise RuntimeError(f"{sender.__name__}{args} failed: {error}")
+    return float(gbps)
+
+
+def _report(results: Any, sender: Callable[..., float], args: tuple[Any, ...]) -> None:
+    try:
+        results.put((sender(*args), ""))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((0.0, f"{type(e).__name__}: {e}"))
 
 
 def _two_ports(n: int = 2) -> int:
