@@ -61,8 +61,9 @@ def main() -> None:
                        "accuracy": summary["accuracy"], "test_loss": summary["test_loss"],
                        "final_loss": summary["final_loss"]}
         print(f"{label}: {rows[label]}", flush=True)
-    lines = [f"`python benchmarks/compression.py` (`tensorbus {' '.join(COMMAND)}` and the options "
-             f"below; {time.monotonic() - started:.0f} s)", "",
+    title = (f"`python benchmarks/compression.py` (`tensorbus {' '.join(COMMAND)}` and the options "
+             f"below; {time.monotonic() - started:.0f} s)")
+    lines = [title, "",
              "| setting | versions | test accuracy | test loss | final train loss |",
              "|---|---:|---:|---:|---:|"]
     for label, row in rows.items():
