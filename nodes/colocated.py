@@ -95,21 +95,22 @@ class Colocated:
     async def run(self, worker: WorkerConfig) -> tuple[dict[str, Any], WorkerReport]:
         """Serve the shard and train until the run ends; the shard's summary and the
         worker's report. If either side fails, the other is stopped and the error raised."""
-        endpoints = list(worker.endpoints)
-        if len(endpoints) != self.count:
-            self.hub.close()
-            raise ValueError(f"{len(endpoints)} endpoints for {self.count} colocated shards: "
-                             "give every shard's, in shard order, this one's included")
-        self.bind()
-        endpoints[self.index] = self.coordinator.inproc_endpoint
-        self.worker = Worker(model=self._model, data=self._data, loss=self._loss,
-                             config=replace(worker, connect=endpoints, rank=self.index),
-                             optimizer=self._optimizer, hub=self.hub)
-        training = asyncio.create_task(self.worker.run())
-        # Evaluated once our worker is done: it then holds every shard's final weights.
-        trained = asyncio.create_task(_after(training))
-        serving = asyncio.create_task(self.coordinator.run(before_evaluate=trained))
+        tasks: list[asyncio.Task[Any]] = []
         try:
+            endpoints = list(worker.endpoints)
+            if len(endpoints) != self.count:
+                raise ValueError(f"{len(endpoints)} endpoints for {self.count} colocated shards: "
+                                 "give every shard's, in shard order, this one's included")
+            self.bind()
+            endpoints[self.index] = self.coordinator.inproc_endpoint
+            self.worker = Worker(model=self._model, data=self._data, loss=self._loss,
+                                 config=replace(worker, connect=endpoints, rank=self.index),
+                                 optimizer=self._optimizer, hub=self.hub)
+            training = asyncio.create_task(self.worker.run())
+            # Evaluated once our worker is done: it then holds every shard's final weights.
+            trained = asyncio.create_task(_after(training))
+            serving = asyncio.create_task(self.coordinator.run(before_evaluate=trained))
+            tasks += [training, serving, trained]
             done, _ = await asyncio.wait({training, serving}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # a failure of either side, raised here
@@ -119,11 +120,10 @@ class Colocated:
                 self.coordinator.request_stop("the run stopped")
             return await serving, await training
         finally:
-            for task in (training, serving, trained):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(training, serving, trained, return_exceptions=True)
-            self.hub.close()  # after both sides closed their sockets
-
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.hub.close()  # after both sides closed their sockets (or failed to start)
 
 async def _after(task: asyncio.Task[Any]) -> None:
     """Wait for `task` without taking its result (run() does) or cancelling it."""

@@ -195,7 +195,3 @@ class FlatModel:
                     mirror[s.bucket][s.start:s.stop].copy_(source[s.bucket][s.start:s.stop],
                                                            non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
-
-    def zero_grad(self) -> None:
-        for g in self.grads:
-            g.zero_()

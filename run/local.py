@@ -41,6 +41,12 @@ class LocalRunError(Exception):
     """The local run failed; the message is one line saying which process and why."""
 
 
+def threads_per_worker(threads: int | None, workers: int) -> int:
+    """Torch threads for each of `workers` processes on this machine: `threads` if given,
+    else the cores shared out among them (at least one each)."""
+    return threads or max(1, (os.cpu_count() or 1) // workers)
+
+
 def launch_local(
     spec: str | Path,
     options: RunOptions,
@@ -61,7 +67,7 @@ def launch_local(
         if options.colocate:
             from run.colocated import launch_colocated  # it builds on this module
 
-            per_worker = threads or max(1, (os.cpu_count() or 1) // options.workers)
+            per_worker = threads_per_worker(threads, options.workers)
             torch.set_num_threads(per_worker)  # this process is worker 0
             return runner.run(launch_colocated(str(spec), options, on_step, per_worker,
                                                log_level, status, debug, devices))
@@ -82,7 +88,7 @@ async def _launch(
     spec = load_spec(spec_source)  # fail here, before any process starts
     coordinators = make_coordinators(spec, options, bind="tcp://127.0.0.1:0", on_step=on_step)
     endpoint = ",".join(c.bind() for c in coordinators)  # every shard's, in order
-    per_worker = threads or max(1, (os.cpu_count() or 1) // options.workers)
+    per_worker = threads_per_worker(threads, options.workers)
     workers: list[asyncio.subprocess.Process] = []
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     relays = []

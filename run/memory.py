@@ -6,8 +6,7 @@ gives freed memory at the top of a heap back to the system once it exceeds a tri
 threshold, and maps blocks above the mmap threshold afresh each time; either way the next
 step faults every page in again (seen as minor page faults in getrusage, step after step,
 on a worker serving a shard of the 10M-parameter MLP). Raising both thresholds keeps the
-blocks in the heap. Only `run/` calls this, once per process, like
-the torch thread count.
+blocks in the heap. Only `run/` calls this, once per process, like the torch thread count.
 """
 
 from __future__ import annotations

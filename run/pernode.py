@@ -12,7 +12,6 @@ process (PR_SET_PDEATHSIG), as `run.local` does.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -20,7 +19,13 @@ from collections.abc import Mapping, Sequence
 from bus.transport import new_event_loop
 from run.cluster import child_environment
 from run.device import resolve as resolve_device
-from run.local import ERROR_PREFIX, LocalRunError, _die_with_parent, _reap
+from run.local import (
+    ERROR_PREFIX,
+    LocalRunError,
+    _die_with_parent,
+    _reap,
+    threads_per_worker,
+)
 
 GRACE_S = 5.0  # after an interruption, how long the workers get to leave on their own
 
@@ -44,7 +49,7 @@ def launch_node(
     exited; NodeRunError if any failed. `flags` go to every worker as they are."""
     if workers < 1:
         raise ValueError(f"--workers-per-node must be at least 1, got {workers}")
-    per_worker = threads or max(1, (os.cpu_count() or 1) // workers)
+    per_worker = threads_per_worker(threads, workers)
     commands = []
     for local in range(workers):
         rank = node_rank * workers + local

@@ -86,7 +86,8 @@ def test_no_step_after_the_first_allocates_a_gradient_sized_buffer() -> None:
         port = up.bind_to_random_port("tcp://127.0.0.1")
         down.connect(f"tcp://127.0.0.1:{port}")
         for step in range(6):
-            worker.module.zero_grad(set_to_none=False)
+            # As the worker does: the hooks copy each fresh gradient into the flat buffer.
+            worker.begin_backward()
             nn.functional.mse_loss(worker.module(x), y).backward()  # the model's own work
             with Allocations() as watch:
                 worker.gather_grads()
@@ -101,7 +102,6 @@ def test_no_step_after_the_first_allocates_a_gradient_sized_buffer() -> None:
                 weights = decode(up.recv_multipart(copy=False), layout=layout)
                 worker.load(weights.tensors)
                 coordinator._pool.release(snapshot, [])
-                worker.zero_grad()
             if step == 0:  # the momentum buffers and a snapshot set are made: seen
                 assert {nbytes for _, nbytes in watch.seen} >= {512 * 512 * 4, layout.nbytes}
             if step >= 2:  # they exist by now
