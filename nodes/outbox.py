@@ -9,7 +9,7 @@ on the thread that runs backward, as soon as backward has finished that range:
   is copied to the pinned host mirror);
 - `--compress bf16|fp16`: converted into buffers of the narrower dtype (one copy);
 - `--compress topk:R`: the k = ceil(R * n) elements of largest magnitude of each range,
-  as int64 indices and their values, with error feedback (Stich et al. 2018, "Sparsified
+  as int64 indices and their values (found by `nodes.largest`), with error feedback (Stich et al. 2018, "Sparsified
   SGD with memory"): what is not sent stays in a residual and is added to the next
   gradient, so every element's gradient is sent eventually. What a push carried is no
   longer owed once it is sent: if the coordinator then drops the push (late, under
@@ -26,6 +26,7 @@ import torch
 
 from bus.layout import Compression, Shard
 from nodes.flat import FlatModel
+from nodes.largest import Largest
 
 
 class Outbox:
@@ -43,6 +44,9 @@ class Outbox:
             # What was not sent yet, and a scratch buffer for magnitudes (no allocation later).
             self._residual = tuple(torch.zeros_like(g, device=device) for g in flat.grads)
             self._magnitude = tuple(torch.zeros_like(g, device=device) for g in flat.grads)
+            self._largest = [[Largest(s.numel, compression.keep(s.numel), dtype=b.dtype, device=device)
+                              for s, b in zip(shard.spans, shard.layout.buckets, strict=True)]
+                             for shard in shards]
         elif self._narrow:
             wires = [flat.layout.on_wire(compression.dtype).allocate() for _ in range(flat.grad_sets)]
             self.parts = [[shard.take(wire) for shard in shards] for wire in wires]
@@ -79,7 +83,8 @@ class Outbox:
                         torch.abs(residual, out=magnitude)
                     source = residual if finite else grad
                     indices, values = part[2 * n], part[2 * n + 1]
-                    chosen = torch.topk(magnitude, indices.numel(), sorted=False).indices
+                    chosen = (self._largest[index][n](magnitude) if finite  # NaN: topk keeps it
+                              else torch.topk(magnitude, indices.numel(), sorted=False).indices)
                     indices.copy_(chosen)
                     values.copy_(source[chosen])
                     if finite:

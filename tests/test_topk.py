@@ -46,10 +46,10 @@ def test_a_bad_compression_says_what_to_write(text: str) -> None:
         Compression.parse(text)
 
 
-@pytest.mark.parametrize("shards", [1, 2])
-def test_what_was_sent_plus_what_is_owed_is_every_gradient(shards: int) -> None:
+@pytest.mark.parametrize(("shards", "inputs"), [(1, 40), (2, 40), (1, 3000)])
+def test_what_was_sent_plus_what_is_owed_is_every_gradient(shards: int, inputs: int) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Linear(40, 25)  # 1025 parameters
+    model = torch.nn.Linear(inputs, 25)  # 1025 parameters, or 75025 (nodes.largest's fast path)
     flat = FlatModel(model)
     cut = [flat.layout.shard(i, shards) for i in range(shards)]
     outbox = Outbox(flat, cut, Compression.parse("topk:0.01"), weights=False)
