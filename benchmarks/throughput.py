@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import queue
 import socket
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import torch
 import zmq
 
 CHUNK = 1 << 20
+WAIT_S = 120  # the longest any side waits for the other: a dead peer fails the case
 
 
 def free_port() -> int:
@@ -47,16 +49,30 @@ def memcpy(size: int, repeats: int) -> float:
     return size * repeats / (time.perf_counter() - started) / 1e9
 
 
+def _receive(socket: zmq.Socket, what: str) -> list[Any]:
+    """One message, within WAIT_S; TimeoutError naming what did not come otherwise."""
+    if not socket.poll(WAIT_S * 1000):
+        raise TimeoutError(f"no {what} within {WAIT_S} s: the other process is gone or stuck")
+    return socket.recv_multipart(copy=False)
+
+
+def _reap(process: Any) -> None:
+    process.join(30)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+
+
 def _raw_receiver(port: int, repeats: int) -> None:
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.bind(f"tcp://127.0.0.1:{port}")
     done = context.socket(zmq.PUSH)
     done.connect(f"tcp://127.0.0.1:{port + 1}")
-    pull.recv_multipart(copy=False)  # the warm-up
+    _receive(pull, "warm-up tensor")
     done.send(b"ready")
     for _ in range(repeats):
-        pull.recv_multipart(copy=False)
+        _receive(pull, "tensor")
     done.send(b"done")
     context.destroy(linger=1000)
 
@@ -80,15 +96,15 @@ def _raw_sender(size: int, repeats: int, chunk: int | None) -> float:
         step = chunk or size
         frames = [data[i : i + step] for i in range(0, size, step)]
         push.send_multipart(frames, copy=False)
-        done.recv()  # the warm-up landed: the receiver is up
+        _receive(done, "word from the receiver")  # the warm-up landed: the receiver is up
         started = time.perf_counter()
         for _ in range(repeats):
             push.send_multipart(frames, copy=False)
-        done.recv()
+        _receive(done, "word from the receiver")
         return size * repeats / (time.perf_counter() - started) / 1e9
     finally:
         context.destroy(linger=0)
-        receiver.join(30)
+        _reap(receiver)
 
 
 def _bus_receiver(port: int, size: int, repeats: int) -> None:
@@ -102,10 +118,12 @@ def _bus_receiver(port: int, size: int, repeats: int) -> None:
         done = context.socket(zmq.PUSH)
         done.connect(f"tcp://127.0.0.1:{port + 1}")
         try:
-            decode((await server.recv())[1])  # the warm-up
+            async with asyncio.timeout(WAIT_S):
+                decode((await server.recv())[1])  # the warm-up
             done.send(b"ready")
-            for _ in range(repeats):
-                decode((await server.recv())[1])  # let go at once, as raw pyzmq's receiver
+            async with asyncio.timeout(WAIT_S):  # for them all: nothing added per message
+                for _ in range(repeats):
+                    decode((await server.recv())[1])  # let go at once, as raw pyzmq's receiver
             done.send(b"done")
         finally:
             context.destroy(linger=1000)
@@ -137,11 +155,12 @@ def _bus_sender(size: int, repeats: int) -> float:
         try:
             push = Push(clock=0, loss=0.0, samples=1, tensors=(tensor,))
             await client.send(encode(push))
-            await asyncio.to_thread(done.recv)  # the warm-up landed: the receiver is up
+            # The warm-up landed: the receiver is up.
+            await asyncio.to_thread(_receive, done, "word from the receiver")
             started = time.perf_counter()
             for _ in range(repeats):
                 await client.send(encode(push))
-            await asyncio.to_thread(done.recv)
+            await asyncio.to_thread(_receive, done, "word from the receiver")
             return size * repeats / (time.perf_counter() - started) / 1e9
         finally:
             context.destroy(linger=0)
@@ -152,7 +171,7 @@ def _bus_sender(size: int, repeats: int) -> float:
         return loop.run_until_complete(main())
     finally:
         loop.close()
-        receiver.join(30)
+        _reap(receiver)
 
 
 def _fresh(sender: Callable[..., float], *args: Any) -> float:
@@ -163,10 +182,10 @@ def _fresh(sender: Callable[..., float], *args: Any) -> float:
     process.start()
     try:
         gbps, error = results.get(timeout=600)
+    except queue.Empty:
+        raise RuntimeError(f"{sender.__name__}{args[:2]} gave no result within 600 s") from None
     finally:
-        process.join(60)
-        if process.is_alive():
-            process.kill()
+        _reap(process)
     if error:
         raise RuntimeError(f"{sender.__name__}{args} failed: {error}")
     return float(gbps)

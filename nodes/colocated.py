@@ -125,6 +125,7 @@ class Colocated:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.hub.close()  # after both sides closed their sockets (or failed to start)
 
+
 async def _after(task: asyncio.Task[Any]) -> None:
     """Wait for `task` without taking its result (run() does) or cancelling it."""
     await asyncio.wait({task})

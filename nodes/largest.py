@@ -5,8 +5,8 @@ the batch-1 step of the 1M-parameter benchmark model that it serves (`--compress
 `Largest` finds the same k elements in a fraction of that:
 
 1. it guesses a threshold from a fixed random sample of the positions: the value that
-   about 2k + 8 of the n elements should reach (a lower bound on the k-th largest except
-   with negligible probability);
+   about 2k of the n elements should reach, with a margin (a lower bound on the k-th
+   largest except with negligible probability);
 2. it keeps the elements at or above the guess: one comparison into a buffer made once,
    and one pass to list the survivors (numpy's flatnonzero, about 3x torch's nonzero here);
 3. it takes the exact top k of those few with `torch.topk`.

@@ -8,13 +8,13 @@ on the thread that runs backward, as soon as backward has finished that range:
 - as they are: the flat gradient itself (on the CPU nothing is done; on a GPU its range
   is copied to the pinned host mirror);
 - `--compress bf16|fp16`: converted into buffers of the narrower dtype (one copy);
-- `--compress topk:R`: the k = ceil(R * n) elements of largest magnitude of each range,
-  as int64 indices and their values (found by `nodes.largest`), with error feedback (Stich et al. 2018, "Sparsified
-  SGD with memory"): what is not sent stays in a residual and is added to the next
-  gradient, so every element's gradient is sent eventually. What a push carried is no
-  longer owed once it is sent: if the coordinator then drops the push (late, under
-  backups), it is lost, as a dense push's gradient would be; so is the residual of a
-  worker that leaves (a rejoining worker starts a new one).
+- `--compress topk:R`: the k = ceil(R * n) elements of largest magnitude of each range
+  (found by `nodes.largest`), as int64 indices and their values, with error feedback
+  (Stich et al. 2018, "Sparsified SGD with memory"): what is not sent stays in a
+  residual and is added to the next gradient, so every element's gradient is sent
+  eventually. What a push carried is no longer owed once it is sent: if the coordinator
+  then drops the push (late, under backups), it is lost, as a dense push's gradient would
+  be; so is the residual of a worker that leaves (a rejoining worker starts a new one).
 
 Weights (periodic averaging) travel as they are, from the flat weights (or their mirror).
 Nothing here allocates a gradient-sized buffer after construction.

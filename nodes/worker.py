@@ -43,6 +43,7 @@ from strategies.base import PushKind, Wait
 
 log = logging.getLogger("tensorbus.worker")
 _T = TypeVar("_T")
+FINISHING_SAY_S = 5.0  # a failed worker waiting longer for its compute thread says so
 
 Data = Callable[[int, int, int], Iterable[Any]]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -521,11 +522,19 @@ def _in_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], _T]
 async def _finishing(ended: asyncio.Future[None]) -> AsyncIterator[None]:
     """Run the body beside the compute thread; if the body fails, wait for the thread to
     end before going on: until then it writes the model, the gradients and the outbox,
-    which whatever comes next (loading the final weights, a new session) uses too."""
+    which whatever comes next (loading the final weights, a new session) uses too.
+
+    The wait has no deadline, as the step itself has none (a thread cannot be stopped,
+    and a step may rightly be long); a wait past FINISHING_SAY_S says why in the log."""
     try:
         yield
-    except BaseException:
-        await asyncio.wait({ended})
+    except BaseException as e:
+        done, _ = await asyncio.wait({ended}, timeout=FINISHING_SAY_S)
+        if not done:
+            log.warning("training stopped (%s); waiting for the step being computed to end "
+                        "before going on: a running step cannot be interrupted",
+                        str(e) or type(e).__name__)
+            await asyncio.wait({ended})
         raise
 
 

@@ -212,7 +212,6 @@ def _child() -> int:
         return 1
 
 
-
 async def _serve(coordinator: Coordinator, run: Awaitable[T]) -> T:
     """A child's run: stopped by the launcher's stop orders (further lines on stdin) or,
     if one is sent here directly, by a signal."""

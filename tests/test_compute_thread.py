@@ -1,4 +1,5 @@
-"""Unit: a worker whose training fails waits for its compute thread to end.
+"""Unit: a worker whose training fails waits for its compute thread to end (and says so in
+the log when that takes long).
 
 A running thread cannot be cancelled: until it ends it writes the model, the gradients and
 the outbox. So when the loop's side fails (a stop, a lost coordinator) while backward runs,
@@ -48,3 +49,18 @@ def test_the_result_comes_back_when_nothing_fails() -> None:
         return value
 
     assert asyncio.run(train()) == 7
+
+
+def test_a_long_wait_for_the_thread_says_why(monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr("nodes.worker.FINISHING_SAY_S", 0.05)
+
+    async def train() -> None:
+        _compute, done = _in_thread(asyncio.get_running_loop(), lambda: time.sleep(0.4))
+        async with _finishing(done):
+            raise RuntimeError("coordinator lost")
+
+    with caplog.at_level("WARNING", logger="tensorbus.worker"), \
+            pytest.raises(RuntimeError, match="coordinator lost"):
+        asyncio.run(train())
+    assert "training stopped (coordinator lost); waiting for the step being computed" in caplog.text
