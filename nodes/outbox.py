@@ -22,6 +22,8 @@ Nothing here allocates a gradient-sized buffer after construction.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from bus.layout import Compression, Shard
@@ -72,16 +74,17 @@ class Outbox:
                     grad = grads[s.bucket][s.start:s.stop]
                     residual = self._residual[s.bucket][s.start:s.stop]
                     magnitude = self._magnitude[s.bucket][s.start:s.stop]
-                    torch.abs(grad, out=magnitude)
                     # A NaN or inf added to the residual would stay there, k elements
                     # sent (and dropped) a push, for about 1/R pushes: a non-finite
                     # gradient is sent as it is (the coordinator drops it, as it would a
-                    # dense one) and the residual is left as it was.
-                    finite = bool(torch.isfinite(magnitude.max()))
+                    # dense one) and the residual is left as it was. (A NaN anywhere
+                    # makes both extremes NaN; one pass finds both.)
+                    low, high = torch.aminmax(grad)
+                    finite = math.isfinite(low) and math.isfinite(high)
                     if finite:
                         residual.add_(grad)  # gradient + what was left
-                        torch.abs(residual, out=magnitude)
                     source = residual if finite else grad
+                    torch.abs(source, out=magnitude)
                     indices, values = part[2 * n], part[2 * n + 1]
                     chosen = (self._largest[index][n](magnitude) if finite  # NaN: topk keeps it
                               else torch.topk(magnitude, indices.numel(), sorted=False).indices)
