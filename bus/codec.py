@@ -159,7 +159,8 @@ def _decode(
                 raise ByteLengthError(i, spec.nbytes, spec.frame_bytes(j), received)
         first += spec.frames
     if layout is not None and cls.CARRIES_TENSORS and (specs or not cls.TENSORS_OPTIONAL):
-        layout.check([(spec.dtype, spec.shape) for spec in specs])
+        check = layout.check_sparse if cls.SPARSE else layout.check
+        check([(spec.dtype, spec.shape) for spec in specs])
     tensors: list[Received] = []
     first = 1
     for spec in specs:

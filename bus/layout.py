@@ -190,6 +190,23 @@ class Layout:
                     f"buffer {i} is {dtype}{list(shape)}, expected {b.dtype}[{b.numel}]"
                 )
 
+    def check_sparse(self, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        """Raise LayoutError unless (dtype, shape) pairs are, per bucket, an int64 index
+        tensor and a value tensor of the bucket's dtype, of the same length, at most the
+        bucket's (bus.messages.Changes). Whether the indices are in range is for the
+        receiver to check, on the tensors."""
+        if len(specs) != 2 * len(self.buckets):
+            raise LayoutError(f"{len(specs)} buffers, want an index and a value buffer for each "
+                              f"of the model's {len(self.buckets)}")
+        for b, bucket in enumerate(self.buckets):
+            (index_dtype, index_shape), (dtype, shape) = specs[2 * b], specs[2 * b + 1]
+            if (index_dtype != torch.int64 or dtype != bucket.dtype or len(shape) != 1
+                    or tuple(index_shape) != tuple(shape) or shape[0] > bucket.numel):
+                raise LayoutError(
+                    f"bucket {b}: indices {index_dtype}{list(index_shape)} and values "
+                    f"{dtype}{list(shape)}, expected int64[m] and {bucket.dtype}[m], "
+                    f"m <= {bucket.numel}")
+
 
 @dataclass(frozen=True)
 class Shard:

@@ -17,7 +17,8 @@ from typing import ClassVar, Final
 
 from bus.pieces import Received
 
-PROTOCOL_VERSION: Final = 3  # 2: pushes carry telemetry, acks the time held; 3: chunked tensors
+# 2: pushes carry telemetry, acks the time held; 3: chunked tensors; 4: Changes
+PROTOCOL_VERSION: Final = 4
 
 
 def _build() -> str:
@@ -47,6 +48,7 @@ class Kind(enum.IntEnum):
     REJECT = 11  # coordinator -> worker: your message was refused; `code` says why
     COLLECTIVE = 12  # rank -> rendezvous: my part of collective `seq` (answered by RESULT)
     RESULT = 13  # rendezvous -> rank: how collective `seq` ended, with its tensor if any
+    CHANGES = 14  # coordinator -> workers: the elements that changed since version `base`
 
 
 class RejectCode(str, enum.Enum):
@@ -112,6 +114,7 @@ class Message:
     KIND: ClassVar[Kind]
     CARRIES_TENSORS: ClassVar[bool] = False
     TENSORS_OPTIONAL: ClassVar[bool] = False  # may come with none at all (see Weights)
+    SPARSE: ClassVar[bool] = False  # index and value tensors per bucket (see Changes)
 
     sender: int = COORDINATOR
     request: int = 0  # non-zero where a reply is expected; the reply echoes it
@@ -187,6 +190,19 @@ class Weights(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Changes(Message):
+    """The weights of `version` as what changed since version `base`: per bucket of the
+    layout, an int64 tensor of element indices and a tensor of their new values (a
+    broadcast, where few elements change a version: top-k updates). Exact: applied to
+    the weights of `base`, they give those of `version`, bit for bit."""
+
+    KIND = Kind.CHANGES
+    CARRIES_TENSORS = True
+    SPARSE = True
+    base: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
     KIND = Kind.HEARTBEAT
     phase: str = ""
@@ -254,5 +270,5 @@ def _field_types(cls: type[Message]) -> dict[str, type]:
 SCHEMA: Final[dict[Kind, tuple[type[Message], dict[str, type]]]] = {
     cls.KIND: (cls, _field_types(cls))
     for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject,
-                Collective, Result)
+                Collective, Result, Changes)
 }

@@ -28,6 +28,7 @@ from bus.layout import Compression
 from bus.messages import (
     BUILD,
     Ack,
+    Changes,
     Heartbeat,
     Join,
     Leave,
@@ -44,7 +45,9 @@ from bus.messages import (
 )
 from bus.pieces import Received, all_finite, sum_into, whole
 from bus.transport import Hub, ZmqServer
+from nodes import changes as changed
 from nodes import checkpoint
+from nodes.changes import Differ
 from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
 from nodes.membership import Member, Membership
@@ -138,6 +141,12 @@ class _Snapshot:
     version: int
     buffers: tuple[torch.Tensor, ...]
     trackers: list[Tracker | None] = field(default_factory=list)
+    sending: int = 0  # sends begun whose trackers are not in `trackers` yet
+
+    @property
+    def free(self) -> bool:
+        """Whether nothing reads the buffers: they may be written in place."""
+        return not self.sending and all(t is None or t.done for t in self.trackers)
 
 
 class Coordinator:
@@ -179,6 +188,8 @@ class Coordinator:
         self._small = sum(b.numel for b in self.flat.layout.buckets) <= _SMALL_STEP
         self._compression = Compression.parse(config.compress)
         self._wire_layout = self._compression.wire(self.flat.layout)
+        # Top-k updates change few elements a version: broadcast those (nodes.changes).
+        self._differ = Differ(self.flat.layout.buckets) if self._compression.topk is not None else None
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -654,7 +665,8 @@ class Coordinator:
                     mean.zero_()
                     for update in updates:  # small: k elements each
                         mean.index_add_(0, whole(update[2 * b]), whole(update[2 * b + 1]))
-                    mean.mul_(scale / len(updates))
+                    if scale / len(updates) != 1.0:  # (async: one update, unscaled; no pass)
+                        mean.mul_(scale / len(updates))
                 else:
                     # Read where they arrived (no copy before), a block at a time.
                     sum_into(mean, [update[b] for update in updates], scale / len(updates))
@@ -803,13 +815,37 @@ class Coordinator:
                 await self._publish_now()
 
     async def _publish_now(self) -> None:
-        """Copy the master weights into a free snapshot and broadcast it."""
+        """Broadcast the current version: what changed since the last one published, where
+        that is little (top-k), or else the master weights, copied into a free snapshot."""
         assert self._server is not None
+        old = self._snapshot
+        changes = (self._differ(self.flat.weights, old.buffers)
+                   if self._differ is not None and old is not None and old.version < self.version
+                   else None)
+        if changes is not None:
+            assert old is not None
+            message: Message = Changes(version=self.version, base=old.version, tensors=changes)
+            self._advance_snapshot(old, changes)
+            self._broadcast = await self._server.publish(encode(message))
+            return
         snapshot = self._take_snapshot()
-        tracker = await self._server.publish(encode(Weights(version=snapshot.version,
-                                                            tensors=snapshot.buffers)))
+        snapshot.sending += 1
+        try:
+            tracker = await self._server.publish(encode(Weights(version=snapshot.version,
+                                                                tensors=snapshot.buffers)))
+        finally:
+            snapshot.sending -= 1
         snapshot.trackers.append(tracker)
         self._broadcast = tracker
+
+    def _advance_snapshot(self, snapshot: _Snapshot, changes: tuple[torch.Tensor, ...]) -> None:
+        """Make the snapshot the current version: written in place with the changes where
+        no send reads it, or else a fresh copy (the old one goes back to the pool)."""
+        if snapshot.free:
+            changed.apply(snapshot.buffers, changes)
+            snapshot.version = self.version
+        else:
+            self._take_snapshot()
 
     def _take_snapshot(self) -> _Snapshot:
         """The current weights become the snapshot that Welcome, Pull and broadcasts send."""
@@ -839,7 +875,12 @@ class Coordinator:
         snapshot = self._snapshot
         assert snapshot is not None
         message = replace(message, version=snapshot.version, tensors=snapshot.buffers)
-        snapshot.trackers.append(await self._reply(peer, message))
+        snapshot.sending += 1  # until its tracker is in the list: not to be written meanwhile
+        try:
+            tracker = await self._reply(peer, message)
+        finally:
+            snapshot.sending -= 1
+        snapshot.trackers.append(tracker)
 
     async def _reply(self, peer: bytes, message: Message) -> Tracker | None:
         assert self._server is not None

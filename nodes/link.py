@@ -12,6 +12,13 @@ the DEALER) for as long as the link is open, and, for one membership (a session)
 `_broadcasts` (versions, heartbeats and stop on the SUB), a heartbeat sender and a
 watchdog. A missed broadcast is noticed from the coordinator's heartbeats, which carry its
 version, and fetched with a Pull (the clone pattern).
+
+A version may come whole (Weights) or as what changed since the one before (Changes,
+nodes.changes): the link keeps the newest whole weights not loaded yet and the unbroken
+chain of Changes after them, and loads both, in order. Changes that do not follow on
+from the newest version it has (one was missed: a subscriber that connected late, or a
+full queue) are kept aside, and the whole version is pulled; those that follow on from
+it are then taken (`_resyncs`).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import logging
 import math
 import time
 from collections.abc import Coroutine
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -41,6 +48,7 @@ from bus.errors import (
 from bus.layout import Shard
 from bus.messages import (
     BUILD,
+    Changes,
     Heartbeat,
     Join,
     Leave,
@@ -56,8 +64,22 @@ from bus.messages import (
 from bus.pieces import copy_into
 from bus.security import ClientKeys
 from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, Hub, ZmqClient
+from nodes import changes as changed
 
 log = logging.getLogger("tensorbus.worker")
+_ASIDE = 64  # Changes kept aside while a missed one is made up for; older ones are let go
+
+
+@dataclass(frozen=True)
+class Newer:
+    """A newer version than the one loaded: whole weights (or none), then Changes on top."""
+
+    weights: Weights | Welcome | None
+    changes: tuple[Changes, ...]
+
+    @property
+    def version(self) -> int:
+        return self.changes[-1].version if self.changes else self.weights.version  # type: ignore[union-attr]
 
 
 class Stopped(Exception):
@@ -99,6 +121,9 @@ class Link:
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self.version = 0  # the version of this shard's weights in the model now
         self._latest: Weights | None = None  # newest weights received, not yet loaded
+        self._chain: list[Changes] = []  # each on top of the last, the first on the newest whole
+        self._aside: dict[int, Changes] = {}  # base -> Changes that do not follow on (yet)
+        self._gap = asyncio.Event()  # set: a version was missed; pull the whole one
         self._newer = asyncio.Event()
         self.stopped = False
         self._coordinator_version = 0
@@ -153,7 +178,8 @@ class Link:
             if not isinstance(reply, Welcome):
                 raise RejectedError("unexpected", f"join answered by {reply.KIND.name}")
             self.load(reply)
-            self._latest = None
+            self._latest, self._chain, self._aside = None, [], {}
+            self._gap.clear()
             self._coordinator_version = reply.version  # a restarted coordinator may be behind
             self.heartbeat_s, self.timeout_s = reply.heartbeat_s, reply.timeout_s
             # Past the coordinator's own liveness timeout, a missing answer means it is gone.
@@ -169,13 +195,20 @@ class Link:
         if self._announced_port != self._pub_port:  # connect once: SUB reconnects by itself
             self._client.subscribe(self._announced_port)
             self._pub_port = self._announced_port
-        return [self._broadcasts(), self._heartbeats(), self._watchdog()]
+        return [self._broadcasts(), self._resyncs(), self._heartbeats(), self._watchdog()]
 
     # Versions ------------------------------------------------------------------------------
 
-    def load(self, weights: Weights | Welcome) -> None:
+    def load(self, weights: Weights | Welcome | Newer) -> None:
         """Copy received weights into this shard's part of the model (one copy, straight
-        from the frames) and take their version."""
+        from the frames), then write the Changes after them, and take their version."""
+        if isinstance(weights, Newer):
+            if weights.weights is not None:
+                self.load(weights.weights)
+            for change in weights.changes:
+                changed.apply(self._weights, change.tensors)
+                self.version = change.version
+            return
         self.layout.check([(t.dtype, tuple(t.shape)) for t in weights.tensors])
         with torch.no_grad():
             for dst, src in zip(self._weights, weights.tensors, strict=True):
@@ -183,21 +216,26 @@ class Link:
         self.version = weights.version
 
     def load_latest(self) -> None:
-        if self._latest is not None and self._latest.version > self.version:
-            self.load(self._latest)
-        self._latest = None  # drop the frames as soon as they are copied
+        newer = self.latest()
+        if newer is not None:
+            self.load(newer)
+        self.forget_loaded()  # drop the frames as soon as they are copied
 
-    def latest(self) -> Weights | None:
-        """The newest weights received and not loaded yet, if any: for a worker that
-        loads them off the loop (`load` them, then `forget_loaded` on the loop)."""
-        latest = self._latest
-        return latest if latest is not None and latest.version > self.version else None
+    def latest(self) -> Newer | None:
+        """What is newer than the loaded version, if anything: for a worker that loads
+        it off the loop (`load` it, then `forget_loaded` on the loop)."""
+        if self.newest() <= self.version:
+            return None
+        whole = self._latest if self._latest is not None and self._latest.version > self.version else None
+        return Newer(whole, tuple(self._chain))
 
     def forget_loaded(self) -> None:
         """Let go of received weights that are loaded by now: their frames may be the
         sender's own memory (in-process links), which it may not reuse while we hold them."""
         if self._latest is not None and self._latest.version <= self.version:
             self._latest = None
+        while self._chain and self._chain[0].version <= self.version:
+            del self._chain[0]
 
     async def load_final(self, *, changed: bool = False) -> None:
         """Once stopped: load the weights of the version the coordinator stopped at, pulling
@@ -216,6 +254,8 @@ class Link:
         self.load_latest()
 
     def newest(self) -> int:
+        if self._chain:
+            return self._chain[-1].version
         return max(self.version, self._latest.version if self._latest else -1)
 
     async def await_version(self, *, newer_than: int) -> None:
@@ -242,8 +282,36 @@ class Link:
 
     def _keep_newest(self, weights: Weights) -> None:
         if weights.version > self.newest():
-            self._latest = weights
+            self._latest, self._chain = weights, []
+            self._follow_on()
             self._newer.set()
+
+    def _take_changes(self, change: Changes) -> None:
+        """Chain Changes on if they follow on from the newest version; else keep them
+        aside and have the whole version pulled (unless they are old)."""
+        if change.version <= self.newest():
+            return
+        wrong = changed.out_of_range(self.layout, change.tensors)
+        if wrong is not None:
+            log.warning("worker %d: the %s broadcast changes out of range (%s); ignored",
+                        self._owner.rank, self.peer, wrong)
+            return
+        if change.base != self.newest():
+            self._aside[change.base] = change
+            while len(self._aside) > _ASIDE:
+                del self._aside[min(self._aside)]
+            self._gap.set()
+            return
+        self._chain.append(change)
+        self._follow_on()
+        self._newer.set()
+
+    def _follow_on(self) -> None:
+        """Chain on what was kept aside and now follows on; let go of what is older."""
+        while (change := self._aside.pop(self.newest(), None)) is not None:
+            self._chain.append(change)
+        for base in [b for b in self._aside if b < self.newest()]:
+            del self._aside[base]
 
     # Requests ------------------------------------------------------------------------------
 
@@ -354,6 +422,8 @@ class Link:
             match message:
                 case Weights():
                     self._keep_newest(message)
+                case Changes():
+                    self._take_changes(message)
                 case Heartbeat() if message.version > self.version:
                     self._newer.set()  # maybe a missed broadcast: let the waiter look
                 case Stop():
@@ -362,6 +432,28 @@ class Link:
             # Let go of the frames now, not when the next broadcast comes: sent in-process,
             # they are the coordinator's snapshot, which it may not reuse while we hold it.
             del frames, message
+
+    async def _resyncs(self) -> None:
+        """Pull the whole version when Changes were missed (they no longer follow on)."""
+        while True:
+            await self._gap.wait()
+            self._gap.clear()
+            log.debug("worker %d missed a version after %d: pulling the whole one",
+                      self._owner.rank, self.newest())
+            try:
+                reply = await self.request(Pull(sender=self._owner.rank, version=self.newest()))
+            except (PeerTimeoutError, RejectedError) as e:
+                # The watchdog ends the session if the coordinator is gone; the next
+                # Changes that do not follow on ask again.
+                log.warning("worker %d: could not pull the weights it missed from the %s: %s",
+                            self._owner.rank, self.peer, e)
+                continue
+            except Stopped:
+                return
+            if isinstance(reply, Weights) and reply.tensors:
+                self._keep_newest(reply)
+            if not self._aside:  # what did not follow on while we asked does now
+                self._gap.clear()
 
     async def _heartbeats(self) -> None:
         assert self._client is not None

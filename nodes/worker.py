@@ -33,11 +33,11 @@ from torch import nn
 from bus.buffers import Tracker, wait_sent
 from bus.errors import PeerTimeoutError, RejectedError
 from bus.layout import Compression
-from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
+from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Welcome
 from bus.transport import Hub
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
-from nodes.link import Link, Stopped
+from nodes.link import Link, Newer, Stopped
 from nodes.outbox import Outbox
 from strategies.base import PushKind, Wait
 
@@ -351,7 +351,7 @@ class Worker:
         return f"data(rank={self.rank}, world_size={welcome.world_size}, batch_size={welcome.batch_size})"
 
     def _compute(
-        self, latest: list[Weights | None], local_steps: int, current: int,
+        self, latest: list[Newer | None], local_steps: int, current: int,
         announce: Callable[[int], None] | None, loaded: Callable[[], None] | None = None,
     ) -> tuple[float, int]:
         """Load the newest weights each link has, then compute `local_steps` gradients

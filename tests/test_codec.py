@@ -45,6 +45,7 @@ from bus.messages import (
     PROTOCOL_VERSION,
     SCHEMA,
     Ack,
+    Changes,
     Collective,
     Heartbeat,
     Join,
@@ -165,6 +166,8 @@ SAMPLES = {
                                 host="node7", tensors=WEIGHTS[:1]),
     Kind.RESULT: Result(sender=COORDINATOR, request=19, version=1, seq=18, outcome="mismatch",
                         detail="rank 1 called barrier()", tensors=WEIGHTS),
+    Kind.CHANGES: Changes(sender=COORDINATOR, request=20, version=9, base=7,
+                          tensors=(torch.tensor([0, 5]), torch.tensor([0.5, -2.0]))),
 }
 
 
@@ -373,7 +376,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 4, -1, 255, "3", None, [3]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, -1, 255, "4", None, [4]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
@@ -757,6 +760,45 @@ def test_layout_mismatch(tensors, reason):
         decode(layout_push(*tensors), layout=MODEL)
     assert info.value.reason == reason
     assert info.value.code is RejectCode.LAYOUT
+
+
+def changes(*tensors):
+    return received(encode(Changes(version=9, base=8, tensors=tensors)))
+
+
+def test_changes_are_checked_as_indices_and_values_per_bucket():
+    tensors = (torch.tensor([1, 4]), torch.tensor([0.5, 2.0]),
+               torch.arange(4), torch.arange(4))  # every element of the int64 bucket
+    assert_same_tensors(decode(changes(*tensors), layout=MODEL).tensors, tensors)
+    none = torch.zeros(0, dtype=torch.int64)
+    assert decode(changes(none, torch.zeros(0), none, none), layout=MODEL).base == 8  # no change
+
+
+def _bucket(b, indices, values, dtype, most):
+    return (f"bucket {b}: indices {indices} and values {values}, expected int64[m] and "
+            f"{dtype}[m], m <= {most}")
+
+
+@pytest.mark.parametrize(
+    ("tensors", "reason"),
+    [
+        ((torch.tensor([1]), torch.tensor([0.5])),
+         "2 buffers, want an index and a value buffer for each of the model's 2"),
+        ((torch.tensor([1]), torch.tensor([0.5], dtype=torch.float64), torch.arange(1), torch.arange(1)),
+         _bucket(0, "torch.int64[1]", "torch.float64[1]", "torch.float32", 6)),
+        ((torch.tensor([1], dtype=torch.int32), torch.tensor([0.5]), torch.arange(1), torch.arange(1)),
+         _bucket(0, "torch.int32[1]", "torch.float32[1]", "torch.float32", 6)),
+        ((torch.tensor([1, 2]), torch.tensor([0.5]), torch.arange(1), torch.arange(1)),
+         _bucket(0, "torch.int64[2]", "torch.float32[1]", "torch.float32", 6)),
+        ((torch.tensor([1]), torch.tensor([0.5]), torch.arange(5), torch.arange(5)),
+         _bucket(1, "torch.int64[5]", "torch.int64[5]", "torch.int64", 4)),
+    ],
+    ids=["fewer", "dtype", "index-dtype", "lengths", "too-many"],
+)
+def test_changes_that_do_not_fit_the_layout_are_refused(tensors, reason):
+    with pytest.raises(LayoutError) as info:
+        decode(changes(*tensors), layout=MODEL)
+    assert info.value.reason == reason
 
 
 def test_kinds_without_tensors_pass_a_layout_check():

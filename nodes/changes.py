@@ -1,0 +1,82 @@
+"""Versions as what changed: found on the coordinator, checked and applied on a worker.
+
+Under `--compress topk:R` a version changes few elements of the weights (the k of each
+update, with plain SGD), yet broadcasting it whole sends every element to every worker,
+for every update: under async, that is most of what the bus moves. The coordinator then
+broadcasts `bus.messages.Changes` instead: per bucket, the indices of the elements that
+differ from the last published version, and their new values.
+
+- `Differ` (coordinator) compares the weights with the last published snapshot, bit for
+  bit (integer views: -0.0 and 0.0 differ, as they do in the weights), into a buffer
+  made once, and lists the elements that differ. Where more than `most` of them do (an
+  optimizer with momentum or weight decay changes them all), it answers None and the
+  whole version goes out as before; after GIVE_UP such versions in a row, it stops
+  comparing.
+- `out_of_range` and `apply` (worker) check received Changes against the layout and
+  write them into the weights of `base`, which then hold `version` exactly.
+
+The index and value tensors are made anew for each version: k-sized, not model-sized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import torch
+
+from bus.layout import Bucket, Layout
+from bus.pieces import Received, whole
+
+# Same-size integer views: compared as integers, two floats are equal only bit for bit.
+_BITS: Final = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+GIVE_UP: Final = 8  # versions in a row that changed too much, after which none is compared
+
+
+class Differ:
+    def __init__(self, buckets: Sequence[Bucket], *, most: float = 0.25) -> None:
+        self._limit = int(most * sum(b.numel for b in buckets))
+        self._differs = [np.empty(b.numel, dtype=bool) for b in buckets]  # made once
+        self._misses = 0  # versions in a row that changed too much
+
+    def __call__(self, now: Sequence[torch.Tensor], then: Sequence[torch.Tensor]
+                 ) -> tuple[torch.Tensor, ...] | None:
+        """Per bucket, the indices where `now` differs from `then` and the values `now`
+        holds there; None if more than `most` of all elements differ. After GIVE_UP such
+        versions in a row (an optimizer that moves every element), None at once: the
+        comparison would only cost time."""
+        if self._misses >= GIVE_UP:
+            return None
+        changed = 0
+        for new, old, differs in zip(now, then, self._differs, strict=True):
+            bits = _BITS[new.element_size()]
+            np.not_equal(new.view(bits).numpy(), old.view(bits).numpy(), out=differs)
+            changed += int(np.count_nonzero(differs))  # counting is cheaper than listing
+        if changed > self._limit:
+            self._misses += 1
+            return None
+        self._misses = 0
+        tensors: list[torch.Tensor] = []
+        for new, differs in zip(now, self._differs, strict=True):
+            at = torch.from_numpy(np.flatnonzero(differs))
+            tensors += [at, new[at]]
+        return tuple(tensors)
+
+
+def out_of_range(layout: Layout, tensors: Sequence[Received]) -> str | None:
+    """What is wrong with Changes' indices for this layout (one outside its bucket), or
+    None. Their dtypes and lengths are checked by the codec (Layout.check_sparse)."""
+    for b, bucket in enumerate(layout.buckets):
+        indices = whole(tensors[2 * b])
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= bucket.numel):
+            return (f"bucket {b}: indices from {int(indices.min())} to {int(indices.max())}, "
+                    f"the bucket has {bucket.numel} elements")
+    return None
+
+
+def apply(weights: Sequence[torch.Tensor], tensors: Sequence[Received]) -> None:
+    """Write Changes' values at their indices into `weights` (one buffer per bucket)."""
+    with torch.no_grad():
+        for b, dst in enumerate(weights):
+            dst.index_copy_(0, whole(tensors[2 * b]), whole(tensors[2 * b + 1]))
