@@ -65,13 +65,15 @@ class Differ:
 
 
 def out_of_range(layout: Layout, tensors: Sequence[Received]) -> str | None:
-    """What is wrong with Changes' indices for this layout (one outside its bucket), or
-    None. Their dtypes and lengths are checked by the codec (Layout.check_sparse)."""
+    """What is wrong with the indices of index and value tensors per bucket (Changes, or
+    a top-k push) for this layout: one outside its bucket; or None. Their dtypes and
+    lengths are the codec's to check."""
     for b, bucket in enumerate(layout.buckets):
         indices = whole(tensors[2 * b])
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= bucket.numel):
-            return (f"bucket {b}: indices from {int(indices.min())} to {int(indices.max())}, "
-                    f"the bucket has {bucket.numel} elements")
+        if indices.numel():
+            low, high = int(indices.min()), int(indices.max())
+            if low < 0 or high >= bucket.numel:
+                return f"bucket {b}: indices from {low} to {high}, the bucket has {bucket.numel} elements"
     return None
 
 

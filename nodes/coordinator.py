@@ -493,7 +493,7 @@ class Coordinator:
             self._not_finite[member.rank] = self._not_finite.get(member.rank, 0) + 1
             self._warn(peer, "not_finite", f"worker {member.rank} pushed a non-finite update "
                                            f"on version {message.version}")
-        elif self._compression.topk is not None and not self._indices_fit(message.tensors):
+        elif self._compression.topk is not None and changed.out_of_range(self.flat.layout, message.tensors):
             decisions = [Drop(member.rank, message.version, DropReason.OUT_OF_RANGE)]
             self._warn(peer, "out_of_range", f"worker {member.rank} pushed a top-k update "
                                              "naming elements the model does not have")
@@ -647,14 +647,6 @@ class Coordinator:
             self._step(updates, scale)
         else:
             await asyncio.to_thread(self._step, updates, scale)
-
-    def _indices_fit(self, tensors: tuple[Received, ...]) -> bool:
-        """Whether every index of a top-k update names an element of its bucket."""
-        for b, bucket in enumerate(self.flat.layout.buckets):
-            indices = whole(tensors[2 * b])
-            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= bucket.numel):
-                return False
-        return True
 
     def _mean(self, updates: list[tuple[Received, ...]], scale: float) -> None:
         """The mean of the updates (in the given order), times `scale`, into the gradient
@@ -829,14 +821,8 @@ class Coordinator:
             self._broadcast = await self._server.publish(encode(message))
             return
         snapshot = self._take_snapshot()
-        snapshot.sending += 1
-        try:
-            tracker = await self._server.publish(encode(Weights(version=snapshot.version,
-                                                                tensors=snapshot.buffers)))
-        finally:
-            snapshot.sending -= 1
-        snapshot.trackers.append(tracker)
-        self._broadcast = tracker
+        self._broadcast = await _tracked(snapshot, self._server.publish(
+            encode(Weights(version=snapshot.version, tensors=snapshot.buffers))))
 
     def _advance_snapshot(self, snapshot: _Snapshot, changes: tuple[torch.Tensor, ...]) -> None:
         """Make the snapshot the current version: written in place with the changes where
@@ -875,12 +861,7 @@ class Coordinator:
         snapshot = self._snapshot
         assert snapshot is not None
         message = replace(message, version=snapshot.version, tensors=snapshot.buffers)
-        snapshot.sending += 1  # until its tracker is in the list: not to be written meanwhile
-        try:
-            tracker = await self._reply(peer, message)
-        finally:
-            snapshot.sending -= 1
-        snapshot.trackers.append(tracker)
+        await _tracked(snapshot, self._reply(peer, message))
 
     async def _reply(self, peer: bytes, message: Message) -> Tracker | None:
         assert self._server is not None
@@ -1007,3 +988,15 @@ class Coordinator:
     def _name(self, peer: bytes) -> str:
         member = self._members.get(peer)
         return f"worker {member.rank}" if member else f"peer {peer.hex()}"
+
+
+async def _tracked(snapshot: _Snapshot, send: Awaitable[Tracker | None]) -> Tracker | None:
+    """Await a send of the snapshot's buffers and keep its tracker; counted as `sending`
+    until then, so that the buffers are not written in place meanwhile."""
+    snapshot.sending += 1
+    try:
+        tracker = await send
+    finally:
+        snapshot.sending -= 1
+    snapshot.trackers.append(tracker)
+    return tracker
