@@ -10,13 +10,19 @@ answer), so that their ratios compare like with like:
 - `tensorbus`: the bus itself: a Push through `bus.codec` and `bus.transport`
   (`ZmqClient` -> `ZmqServer`), decoded on arrival, every frame checked.
 
-Each returns GB/s (10^9 bytes per second). The sender of each pyzmq and tensorbus run is a
-fresh process too, as the receiver is: what one case leaves in a process (heaps, threads,
-pyzmq's zero-copy garbage collector's backlog) does not weigh on the next.
+Each returns GB/s (10^9 bytes per second). Run as a script, it sweeps raw pyzmq's frame
+size for one tensor (which chunk size the bus should use, and what one frame costs):
+
+    python benchmarks/throughput.py [--mb 128] [--rounds 4]
+
+The sender of each pyzmq and tensorbus run is a fresh process too, as the receiver is:
+what one case leaves in a process (heaps, threads, pyzmq's zero-copy garbage collector's
+backlog) does not weigh on the next.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import multiprocessing as mp
 import queue
@@ -224,3 +230,25 @@ def measure(size: int, repeats: int) -> dict[str, Any]:
         "zmq-chunked": raw_zmq(size, repeats, chunk=CHUNK),
         "tensorbus": tensorbus(size, repeats),
     }
+
+
+SWEEP = (None, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)  # frame sizes; None: one frame
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="raw pyzmq throughput by frame size, and the bus")
+    parser.add_argument("--mb", type=int, default=128, help="tensor size in MiB")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    size = args.mb << 20
+    repeats = max(8, 1024 // args.mb)
+    names = [f"{c >> 10} KiB frames" if c else "one frame" for c in SWEEP] + ["tensorbus"]
+    print("| round | " + " | ".join(names) + " |")
+    print("|---:|" + "---:|" * len(names))
+    for r in range(args.rounds):  # interleaved: a noisy moment slows one round of all
+        figures = [raw_zmq(size, repeats, chunk=c) for c in SWEEP] + [tensorbus(size, repeats)]
+        print(f"| {r + 1} | " + " | ".join(f"{g:.2f}" for g in figures) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
