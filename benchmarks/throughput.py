@@ -6,12 +6,19 @@ answer), so that their ratios compare like with like:
 
 - `memcpy`: `copy_` into a warm buffer in one process: what the memory can do.
 - `zmq-1frame`: raw pyzmq, the tensor as one zero-copy frame (PUSH -> PULL over tcp).
-- `zmq-chunked`: raw pyzmq, the tensor as 1 MB zero-copy frames.
+- `zmq-chunked`: raw pyzmq, the tensor as 1 MiB zero-copy frames (the bus's size).
 - `tensorbus`: the bus itself: a Push through `bus.codec` and `bus.transport`
   (`ZmqClient` -> `ZmqServer`), decoded on arrival, every frame checked.
 
+The bus's receiver keeps freed memory for reuse (`run.memory.keep_freed_memory`), as every
+tensorbus process does: libzmq allocates each received frame on its I/O thread, and with
+glibc's default thresholds the freed frames' pages go back to the system and fault in
+again. Raw pyzmq is measured both ways (`kept`), so that a ratio can hold the bus to raw
+pyzmq's best with the same process setting, and show what the setting itself is worth.
+
 Each returns GB/s (10^9 bytes per second). Run as a script, it sweeps raw pyzmq's frame
-size for one tensor (which chunk size the bus should use, and what one frame costs):
+size for one tensor, with and without the receiver keeping freed memory (which chunk size
+the bus should use, and what one frame costs):
 
     python benchmarks/throughput.py [--mb 128] [--rounds 4]
 
@@ -69,7 +76,9 @@ def _reap(process: Any) -> None:
         process.join(5)
 
 
-def _raw_receiver(port: int, repeats: int) -> None:
+def _raw_receiver(port: int, repeats: int, kept: bool) -> None:
+    if kept:
+        _keep_freed_memory()
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.bind(f"tcp://127.0.0.1:{port}")
@@ -83,14 +92,22 @@ def _raw_receiver(port: int, repeats: int) -> None:
     context.destroy(linger=1000)
 
 
-def raw_zmq(size: int, repeats: int, *, chunk: int | None) -> float:
-    """Raw pyzmq PUSH -> PULL, zero-copy, one frame or `chunk`-byte frames."""
-    return _fresh(_raw_sender, size, repeats, chunk)
+def raw_zmq(size: int, repeats: int, *, chunk: int | None, kept: bool = False) -> float:
+    """Raw pyzmq PUSH -> PULL, zero-copy, one frame or `chunk`-byte frames; with `kept`,
+    the receiver keeps freed memory for reuse, as a tensorbus process does."""
+    return _fresh(_raw_sender, size, repeats, chunk, kept)
 
 
-def _raw_sender(size: int, repeats: int, chunk: int | None) -> float:
+def _keep_freed_memory() -> None:
+    from run.memory import keep_freed_memory
+
+    if not keep_freed_memory():
+        raise RuntimeError("this C library has no mallopt: the kept cases need glibc")
+
+
+def _raw_sender(size: int, repeats: int, chunk: int | None, kept: bool) -> float:
     port = _two_ports()
-    receiver = mp.get_context("spawn").Process(target=_raw_receiver, args=(port, repeats))
+    receiver = mp.get_context("spawn").Process(target=_raw_receiver, args=(port, repeats, kept))
     receiver.start()
     context = zmq.Context()
     try:
@@ -116,6 +133,8 @@ def _raw_sender(size: int, repeats: int, chunk: int | None) -> float:
 def _bus_receiver(port: int, size: int, repeats: int) -> None:
     from bus.codec import decode
     from bus.transport import ZmqServer, new_event_loop
+
+    _keep_freed_memory()  # as every tensorbus process does (run/cli.py)
 
     async def main() -> None:
         server = ZmqServer(f"tcp://127.0.0.1:{port}", max_message_bytes=size + 65536,
@@ -233,6 +252,7 @@ def measure(size: int, repeats: int) -> dict[str, Any]:
 
 
 SWEEP = (None, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)  # frame sizes; None: one frame
+KEPT_SWEEP = (None, 512 << 10, 1 << 20)  # the same, the receiver keeping freed memory
 
 
 def main() -> None:
@@ -242,11 +262,15 @@ def main() -> None:
     args = parser.parse_args()
     size = args.mb << 20
     repeats = max(8, 1024 // args.mb)
-    names = [f"{c >> 10} KiB frames" if c else "one frame" for c in SWEEP] + ["tensorbus"]
+    names = ([f"{c >> 10} KiB frames" if c else "one frame" for c in SWEEP]
+             + [f"{c >> 10} KiB, kept" if c else "one frame, kept" for c in KEPT_SWEEP]
+             + ["tensorbus"])
     print("| round | " + " | ".join(names) + " |")
     print("|---:|" + "---:|" * len(names))
     for r in range(args.rounds):  # interleaved: a noisy moment slows one round of all
-        figures = [raw_zmq(size, repeats, chunk=c) for c in SWEEP] + [tensorbus(size, repeats)]
+        figures = ([raw_zmq(size, repeats, chunk=c) for c in SWEEP]
+                   + [raw_zmq(size, repeats, chunk=c, kept=True) for c in KEPT_SWEEP]
+                   + [tensorbus(size, repeats)])
         print(f"| {r + 1} | " + " | ".join(f"{g:.2f}" for g in figures) + " |", flush=True)
 
 
