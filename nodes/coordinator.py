@@ -47,7 +47,6 @@ from bus.pieces import Received, all_finite, sum_into, whole
 from bus.transport import Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
-from nodes.changes import Differ
 from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
 from nodes.membership import Member, Membership
@@ -189,7 +188,8 @@ class Coordinator:
         self._compression = Compression.parse(config.compress)
         self._wire_layout = self._compression.wire(self.flat.layout)
         # Top-k updates change few elements a version: broadcast those (nodes.changes).
-        self._differ = Differ(self.flat.layout.buckets) if self._compression.topk is not None else None
+        self._differ = (changed.Differ(self.flat.layout.buckets)
+                        if self._compression.topk is not None else None)
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
