@@ -12,6 +12,11 @@ differ from the last published version, and their new values.
   optimizer with momentum or weight decay changes them all), it answers None and the
   whole version goes out as before; after GIVE_UP such versions in a row, it stops
   comparing.
+- `Touched` (coordinator) knows them without comparing, where every version since the
+  last published one was made by a sparse step: plain SGD (`plain_sgd_lr`) applied at the
+  k elements of each top-k update, straight into the weights, instead of a step over
+  every element of a gradient that is mostly zeros. It lists the elements those steps
+  wrote (a written element whose value came out the same goes too: harmless).
 - `out_of_range` and `apply` (worker) check received Changes against the layout and
   write them into the weights of `base`, which then hold `version` exactly.
 
@@ -25,6 +30,7 @@ from typing import Final
 
 import numpy as np
 import torch
+import torch.optim.optimizer as _optimizer_module
 
 from bus.layout import Bucket, Layout
 from bus.pieces import Received, whole
@@ -62,6 +68,75 @@ class Differ:
             at = torch.from_numpy(np.flatnonzero(differs))
             tensors += [at, new[at]]
         return tuple(tensors)
+
+
+class Touched:
+    """The elements sparse steps wrote from version `since` to version `until`, per bucket."""
+
+    def __init__(self, buckets: Sequence[Bucket], *, most: float = 0.25) -> None:
+        self._limit = int(most * sum(b.numel for b in buckets))
+        self._written: list[list[torch.Tensor]] = [[] for _ in buckets]
+        self._count = 0
+        self.since: int | None = None  # None: not known (nothing was counted from a version)
+        self.until: int | None = None
+
+    def start(self, version: int) -> None:
+        """Count from `version` (the one just published): nothing written since."""
+        for written in self._written:
+            written.clear()
+        self._count = 0
+        self.since = self.until = version
+
+    def add(self, bucket: int, indices: torch.Tensor) -> None:
+        """A sparse step wrote the weights of `bucket` at `indices` (copied: the frames they
+        arrived in are let go after the step)."""
+        if self.since is not None:
+            self._count += indices.numel()
+            if self._count > self._limit:  # too many to be worth listing: forget them
+                self.since = self.until = None
+                for written in self._written:
+                    written.clear()
+            else:
+                self._written[bucket].append(indices.clone())
+
+    def made(self, version: int) -> None:
+        """Version `version` was made by sparse steps that were all `add`ed."""
+        if self.until is not None and version == self.until + 1:
+            self.until = version
+
+    def changes(self, now: Sequence[torch.Tensor], base: int, version: int
+                ) -> tuple[torch.Tensor, ...] | None:
+        """Per bucket, the elements written from `base` to `version` and the values `now`
+        holds there; None unless exactly those versions were counted."""
+        if self.since != base or self.until != version:
+            return None
+        tensors: list[torch.Tensor] = []
+        for new, written in zip(now, self._written, strict=True):
+            at = (torch.cat(written).unique() if written
+                  else torch.zeros(0, dtype=torch.int64))
+            tensors += [at, new[at]]
+        return tuple(tensors)
+
+
+def plain_sgd_lr(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor]
+                 ) -> float | None:
+    """The learning rate where a step of `optimizer` is `w -= lr * grad` over `params`
+    and nothing else (torch.optim.SGD in one group without momentum, weight decay,
+    maximize or step hooks): then a gradient that is zero but at k elements changes
+    only those. None for any other optimizer."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return None
+    group = optimizer.param_groups[0]
+    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None),
+             getattr(optimizer, "_optimizer_step_post_hooks", None),
+             getattr(_optimizer_module, "_global_optimizer_pre_hooks", None),
+             getattr(_optimizer_module, "_global_optimizer_post_hooks", None))
+    if (group["momentum"] or group["weight_decay"] or group["maximize"] or any(hooks)
+            or len(group["params"]) != len(params)
+            or any(a is not b for a, b in zip(group["params"], params, strict=True))):
+        return None
+    lr = group["lr"]
+    return float(lr) if isinstance(lr, (int, float)) else None
 
 
 def out_of_range(layout: Layout, tensors: Sequence[Received]) -> str | None:

@@ -190,6 +190,12 @@ class Coordinator:
         # Top-k updates change few elements a version: broadcast those (nodes.changes).
         self._differ = (changed.Differ(self.flat.layout.buckets)
                         if self._compression.topk is not None else None)
+        # With plain SGD, a top-k update is applied at its k elements only, and those
+        # steps' elements are the Changes, with no comparison (nodes.changes.Touched).
+        self._touched = (changed.Touched(self.flat.layout.buckets)
+                         if self._compression.topk is not None and not self._weights_pushed
+                         else None)
+        self._params = list(self.model.parameters())
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -670,6 +676,11 @@ class Coordinator:
         optimizer steps. Weights: their mean replaces the weights, or with an outer
         optimizer, (weights - mean) is the gradient it steps on.
         """
+        if self._touched is not None:
+            lr = changed.plain_sgd_lr(self.optimizer, self._params)
+            if lr is not None:
+                self._sparse_step(updates, scale, lr)
+                return
         self._mean(updates, scale)
         with torch.no_grad():
             for b, mean in enumerate(self.flat.grads):
@@ -680,6 +691,21 @@ class Coordinator:
                         mean.sub_(self.flat.weights[b]).neg_()
         if self.optimizer is not None:
             self.optimizer.step()
+
+    def _sparse_step(self, updates: list[tuple[Received, ...]], scale: float, lr: float) -> None:
+        """Plain SGD on top-k updates at their k elements, straight into the weights: the
+        step `_step` would take over their mean in a buffer of zeros (up to the order of
+        float additions), without passing over every element three times. The elements
+        written are the next Changes (see _publish_now)."""
+        assert self._touched is not None
+        alpha = -lr * scale / len(updates)
+        with torch.no_grad():
+            for b, weights in enumerate(self.flat.weights):
+                for update in updates:
+                    at = whole(update[2 * b])
+                    weights.index_add_(0, at, whole(update[2 * b + 1]), alpha=alpha)
+                    self._touched.add(b, at)
+        self._touched.made(self.version + 1)
 
     def _epochs_to_samples(self) -> int:
         """--epochs as samples to apply: passes over the shards of the workers ready now."""
@@ -810,10 +836,14 @@ class Coordinator:
         """Broadcast the current version: what changed since the last one published, where
         that is little (top-k), or else the master weights, copied into a free snapshot."""
         assert self._server is not None
+        self.metrics.broadcasts += 1
         old = self._snapshot
-        changes = (self._differ(self.flat.weights, old.buffers)
-                   if self._differ is not None and old is not None and old.version < self.version
-                   else None)
+        changes = None
+        if old is not None and old.version < self.version:
+            if self._touched is not None:  # written by sparse steps only: listed as they went
+                changes = self._touched.changes(self.flat.weights, old.version, self.version)
+            if changes is None and self._differ is not None:
+                changes = self._differ(self.flat.weights, old.buffers)
         if changes is not None:
             assert old is not None
             message: Message = Changes(version=self.version, base=old.version, tensors=changes)
@@ -830,12 +860,16 @@ class Coordinator:
         if snapshot.free:
             changed.apply(snapshot.buffers, changes)
             snapshot.version = self.version
+            if self._touched is not None:
+                self._touched.start(self.version)
         else:
             self._take_snapshot()
 
     def _take_snapshot(self) -> _Snapshot:
         """The current weights become the snapshot that Welcome, Pull and broadcasts send."""
         old, self._snapshot = self._snapshot, _Snapshot(self.version, self._copy_weights())
+        if self._touched is not None:
+            self._touched.start(self.version)
         if old is not None:
             self._pool.release(old.buffers, old.trackers)
         return self._snapshot

@@ -1,7 +1,9 @@
 """Run metrics: one JSON object a line as training goes, and the closing summary.
 
 The summary holds at least what DESIGN.md lists (strategy, workers, steps, wall_s,
-final_loss, dropped, max_staleness, max_clock_gap) plus whatever `evaluate` returned,
+final_loss, dropped, max_staleness, max_clock_gap) plus whatever `evaluate` returned, the
+versions broadcast (fewer than the versions made where updates came faster than the
+weights could go out: a version overtaken before it left is not sent),
 and per worker: updates pushed, applied and dropped, seconds held back by the strategy, and
 the seconds it reported computing, communicating and waiting (see `nodes.telemetry`).
 Training time (`train_s`) runs from the opening of the start gate to the stop, so that
@@ -33,6 +35,7 @@ class Metrics:
         self.rejected: Counter[str] = Counter()
         self.max_staleness = 0
         self.max_clock_gap = 0
+        self.broadcasts = 0  # versions published (whole or as changes); the rest were overtaken
         self.lost: list[dict[str, Any]] = []
         self.per_worker: dict[int, dict[str, float]] = {}
         self.trained_from: float | None = None  # when the start gate opened
@@ -100,6 +103,7 @@ class Metrics:
             "rejected": dict(self.rejected),
             "max_staleness": self.max_staleness,
             "max_clock_gap": self.max_clock_gap,
+            "broadcasts": self.broadcasts,
             "lost": self.lost,
             "ended": self.ended,
             "resumed_from": self.resumed_from,

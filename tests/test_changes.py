@@ -2,7 +2,10 @@
 
 Unit: the coordinator's `Differ` lists exactly the elements that differ bit for bit (a
 sign of zero included), and applying what it lists to the old weights gives the new ones
-bit for bit; past its limit it answers None (the whole version goes out). A worker's
+bit for bit; past its limit it answers None (the whole version goes out). With plain SGD
+the coordinator steps on a top-k update at its k elements only (`plain_sgd_lr` says when),
+which gives the weights the full step gives, and `Touched` lists what those steps wrote:
+the next Changes, with no comparison. A worker's
 `Link` chains Changes that follow on, loads them in order, keeps aside those that do not
 (and asks for the whole version), chains those on once it has it, ignores old ones and
 refuses indices out of range.
@@ -33,9 +36,9 @@ from specs import load_example
 from bus.layout import Layout
 from bus.messages import Changes, Kind, Phase, Weights
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from nodes.changes import GIVE_UP, Differ, apply, out_of_range
+from nodes.changes import GIVE_UP, Differ, Touched, apply, out_of_range, plain_sgd_lr
 from nodes.link import Link
-from strategies import Async
+from strategies import Async, Sync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,6 +170,77 @@ def test_changes_out_of_range_are_refused(caplog: pytest.LogCaptureFixture) -> N
     link._take_changes(_change(0, 1, [8], 1.0))
     assert link.newest() == 0 and not link._gap.is_set() and link.latest() is None
     assert "out of range" in caplog.text
+
+
+# Unit: sparse steps and what they wrote ------------------------------------------------
+
+
+def test_only_plain_sgd_over_the_model_steps_sparsely() -> None:
+    model = torch.nn.Linear(4, 2)
+    params = list(model.parameters())
+    assert plain_sgd_lr(torch.optim.SGD(params, lr=0.3), params) == 0.3
+    for other in (torch.optim.SGD(params, lr=0.3, momentum=0.9),
+                  torch.optim.SGD(params, lr=0.3, weight_decay=1e-4),
+                  torch.optim.SGD(params, lr=0.3, maximize=True),
+                  torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.3),
+                  torch.optim.SGD(params[:1], lr=0.3),  # not every parameter
+                  torch.optim.Adam(params, lr=0.3),
+                  None):
+        assert plain_sgd_lr(other, params) is None
+    hooked = torch.optim.SGD(params, lr=0.3)
+    hooked.register_step_post_hook(lambda *_: None)  # it must see every step
+    assert plain_sgd_lr(hooked, params) is None
+
+
+def test_touched_lists_what_the_counted_versions_wrote() -> None:
+    layout = Layout.of([("a", torch.zeros(10)), ("b", torch.zeros(3, dtype=torch.float64))])
+    touched = Touched(layout.buckets, most=0.5)  # at most 6 elements listed
+    now = (torch.arange(10.0), torch.arange(3.0, dtype=torch.float64))
+    assert touched.changes(now, 0, 0) is None  # not counting yet
+    touched.start(3)
+    touched.add(0, torch.tensor([5, 1]))
+    touched.made(4)
+    touched.add(0, torch.tensor([1, 7]))
+    touched.add(1, torch.tensor([2]))
+    touched.made(5)
+    found = touched.changes(now, 3, 5)
+    assert found is not None
+    assert found[0].tolist() == [1, 5, 7] and found[1].tolist() == [1.0, 5.0, 7.0]
+    assert found[2].tolist() == [2] and found[3].dtype == torch.float64
+    assert touched.changes(now, 4, 5) is None  # not from the version asked
+    touched.made(7)  # version 6 was made some other way: what follows is not known
+    assert touched.changes(now, 3, 7) is None
+    touched.start(7)
+    touched.add(0, torch.arange(7))  # more than worth listing
+    touched.made(8)
+    assert touched.changes(now, 7, 8) is None
+
+
+def test_a_sparse_step_gives_the_weights_of_the_full_step() -> None:
+    torch.manual_seed(0)
+
+    def coordinator(momentum: float) -> Coordinator:
+        torch.manual_seed(0)
+        return Coordinator(
+            model=torch.nn.Linear(50, 40), strategy=Sync(workers=2), lr=0.1,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=momentum),
+            config=CoordinatorConfig(batch_size=4, steps=1, compress="topk:0.1"))
+
+    sparse, full = coordinator(0.0), coordinator(1e-30)  # (a momentum steps over everything)
+    assert all(torch.equal(a, b) for a, b in zip(sparse.flat.weights, full.flat.weights, strict=True))
+    n = sparse.flat.weights[0].numel()
+    updates = [(torch.randperm(n)[:204], torch.randn(204)) for _ in range(2)]
+    sparse._touched.start(0)  # type: ignore[union-attr]
+    grads_before = sparse.flat.grads[0].clone()
+    sparse._step(updates, 0.5)
+    full._step(updates, 0.5)
+    assert torch.allclose(sparse.flat.weights[0], full.flat.weights[0], rtol=0, atol=1e-7)
+    assert torch.equal(sparse.flat.grads[0], grads_before)  # no pass over a dense gradient
+    changes = sparse._touched.changes(sparse.flat.weights, 0, 1)  # type: ignore[union-attr]
+    assert changes is not None
+    written = torch.cat([u[0] for u in updates]).unique()
+    assert torch.equal(changes[0], written)
+    assert torch.equal(changes[1], sparse.flat.weights[0][written])
 
 
 # Integration: one loop, real sockets ----------------------------------------------------

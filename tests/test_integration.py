@@ -83,6 +83,8 @@ def test_sync_equals_single_process_with_batch_n_times_b(workers: int) -> None:
     # Sync is lockstep: a worker is at most one push ahead of another, and never stale.
     assert summary["max_clock_gap"] == (1 if workers > 1 else 0)
     assert summary["max_staleness"] == 0
+    # Every version goes out (the last may be cut by the stop): each is awaited by all.
+    assert steps <= summary["broadcasts"] <= steps + 1
     moved = 0.0
     for (name, got), want, start in zip(
         coordinator.model.named_parameters(), reference.parameters(), _initial().parameters(),
