@@ -60,18 +60,18 @@ def _train_steps(model: torch.nn.Module, steps: int, rank: int, world: int,
     return times
 
 
-def _single(params: str, steps: int, out: Any) -> None:
+def _single(params: str, steps: int, out: Any, batch: int) -> None:
     os.environ["BENCH_PARAMS"] = params
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    out.put(_train_steps(mlp.model(), steps, 0, 1))
+    out.put(_train_steps(mlp.model(), steps, 0, 1, batch))
 
 
-def single(params: str, steps: int) -> float:
-    """Seconds per step of one process, batch 64."""
+def single(params: str, steps: int, batch: int = BATCH) -> float:
+    """Seconds per step of one process (forward, backward, SGD step), batch 64 unless said."""
     context = mp.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=_single, args=(params, steps, queue))
+    process = context.Process(target=_single, args=(params, steps, queue, batch))
     process.start()
     times = queue.get(timeout=600)
     process.join(60)
