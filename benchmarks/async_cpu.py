@@ -29,9 +29,7 @@ import argparse
 import json
 import os
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import steps
-from benchmarks.cpu_split import last_version, thread_cpu
+from benchmarks.cpu_split import last_version, launch_warm, stop, thread_cpu
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -79,18 +77,10 @@ def split(seconds: float = 8.0) -> tuple[dict[str, float], float]:
     window after warm-up, and the broadcasts per version of the whole run."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        command = [sys.executable, "-m", "run", "local", steps.SPEC, "--workers", "2",
-                   "--strategy", "async", "--steps", "1000000", "--threads", "1",
-                   "--batch-size", "1", "--lr", "0.01", "--metrics", str(metrics),
-                   "--no-progress", "--log-level", "error"]
-        launcher = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "BENCH_PARAMS": "1M"},
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        launcher = launch_warm(["--workers", "2", "--strategy", "async", "--steps", "1000000",
+                                "--threads", "1", "--batch-size", "1", "--lr", "0.01"],
+                               "1M", metrics, 500)
         try:
-            deadline = time.monotonic() + 120
-            while not (metrics.exists() and last_version(metrics) >= 500):  # warm
-                if launcher.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the run did not get going: {launcher.stderr.read()[-2000:]}")  # type: ignore[union-attr]
-                time.sleep(0.2)
             processes = {"coordinator (the launcher)": launcher.pid,
                          **{f"worker {i}": pid for i, pid in enumerate(_children(launcher.pid))}}
             before = {name: thread_cpu(pid) for name, pid in processes.items()}
@@ -99,12 +89,7 @@ def split(seconds: float = 8.0) -> tuple[dict[str, float], float]:
             after = {name: thread_cpu(pid) for name, pid in processes.items()}
             v1 = last_version(metrics)
         finally:
-            launcher.send_signal(signal.SIGTERM)  # a graceful stop: the summary is written
-            try:
-                launcher.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                launcher.kill()
-                launcher.communicate()
+            stop(launcher)  # gracefully: the summary is written
         summary = json.loads(metrics.read_text().splitlines()[-1])
     updates = v1 - v0
     table = {f"{name}: {group}": 1000 * (after[name][group] - before[name].get(group, 0.0)) / updates

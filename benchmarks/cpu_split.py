@@ -62,31 +62,44 @@ def last_version(metrics: Path) -> int:
     return versions[-1] if versions else 0
 
 
+def launch_warm(arguments: list[str], params: str, metrics: Path, warm: int) -> subprocess.Popen[str]:
+    """Start `tensorbus local SPEC *arguments --metrics metrics` on the `params` model and
+    return once it has made `warm` versions."""
+    command = [sys.executable, "-m", "run", "local", steps.SPEC, *arguments, "--metrics",
+               str(metrics), "--no-progress", "--log-level", "error"]
+    launcher = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "BENCH_PARAMS": params},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and last_version(metrics) >= warm):
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            stop(launcher)
+            raise RuntimeError(f"the run did not get going: {launcher.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        time.sleep(0.2)
+    return launcher
+
+
+def stop(launcher: subprocess.Popen[str]) -> None:
+    """A graceful stop (the metrics summary is written), or a kill after a minute."""
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        launcher.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.communicate()
+
+
 def measure(params: str, seconds: float) -> dict[str, float]:
     """Per-version CPU milliseconds of the launcher's thread groups."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        command = [sys.executable, "-m", "run", "local", steps.SPEC, "--workers", "2",
-                   "--colocate", "--strategy", "sync", "--steps", "1000000", "--threads", "1",
-                   "--metrics", str(metrics), "--no-progress", "--log-level", "error"]
-        launcher = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "BENCH_PARAMS": params},
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        launcher = launch_warm(["--workers", "2", "--colocate", "--strategy", "sync", "--steps",
+                                "1000000", "--threads", "1"], params, metrics, 100)
         try:
-            deadline = time.monotonic() + 120
-            while not (metrics.exists() and last_version(metrics) >= 100):  # warm
-                if launcher.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the run did not get going: {launcher.stderr.read()[-2000:]}")  # type: ignore[union-attr]
-                time.sleep(0.2)
             before, v0, t0 = thread_cpu(launcher.pid), last_version(metrics), time.monotonic()
             time.sleep(seconds)
             after, v1, t1 = thread_cpu(launcher.pid), last_version(metrics), time.monotonic()
         finally:
-            launcher.send_signal(signal.SIGTERM)  # a graceful stop
-            try:
-                launcher.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                launcher.kill()
-                launcher.communicate()
+            stop(launcher)
     versions = v1 - v0
     split = {group: 1000 * (after[group] - before.get(group, 0.0)) / versions for group in after}
     return {**split, "total": sum(split.values()), "wall": 1000 * (t1 - t0) / versions}
