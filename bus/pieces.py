@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+BLOCK = 1 << 18  # elements summed while in cache (about a megabyte of float32)
+
 
 class Pieces:
     """One tensor as consecutive 1-D parts; `shape` and `dtype` are the whole tensor's."""
@@ -70,7 +72,7 @@ def copy_into(flat: torch.Tensor, tensor: Received) -> None:
 
 
 def sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float = 1.0,
-             *, block: int = 1 << 18) -> None:
+             *, block: int = BLOCK) -> None:
     """flat[:] = scale * (the sum of `tensors`, in the given order), in place.
 
     Block by block (`block` elements, about a megabyte): each block of `flat` is written
@@ -78,25 +80,47 @@ def sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float = 1.0
     instead of one pass over the whole buffer per tensor and one more for the scale. The
     tensors may arrive cut at different places (and in a narrower dtype).
     """
-    count = flat.numel()
+    walkers = _walkers(flat.numel(), tensors)
+    for start in range(0, flat.numel(), block):
+        stop = min(flat.numel(), start + block)
+        _sum_block(flat[start:stop], walkers, start, stop, scale)
+
+
+def add_sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float, alpha: float,
+                 scratch: torch.Tensor) -> None:
+    """flat += alpha * (scale * the sum of `tensors`), in place: `sum_into` a buffer, then
+    `flat.add_(buffer, alpha=alpha)`, the same operations on every element, but a block at a
+    time through `scratch` (1-D, of the block's size and flat's dtype), so that no buffer of
+    flat's size is written and read again (a plain SGD step on received gradients)."""
+    walkers = _walkers(flat.numel(), tensors)
+    block = scratch.numel()
+    for start in range(0, flat.numel(), block):
+        stop = min(flat.numel(), start + block)
+        out = scratch[: stop - start]
+        _sum_block(out, walkers, start, stop, scale)
+        flat[start:stop].add_(out, alpha=alpha)
+
+
+def _walkers(count: int, tensors: Sequence[Received]) -> list[_Walker]:
     if not tensors:
         raise ValueError("sum_into needs at least one tensor")
     for t in tensors:
         if t.numel() != count:
             raise ValueError(f"a tensor of {t.numel()} elements for a buffer of {count}")
-    walkers = [_Walker(t) for t in tensors]
-    for start in range(0, count, block):
-        stop = min(count, start + block)
-        out = flat[start:stop]
-        for i, walker in enumerate(walkers):
-            for lo, part in walker.cover(start, stop):
-                target = out[lo - start : lo - start + part.numel()]
-                if i == 0:
-                    target.copy_(part)
-                else:
-                    target.add_(part)
-        if scale != 1.0:
-            out.mul_(scale)
+    return [_Walker(t) for t in tensors]
+
+
+def _sum_block(out: torch.Tensor, walkers: list[_Walker], start: int, stop: int, scale: float) -> None:
+    """out[:] = scale * (the sum of the walkers' elements start to stop)."""
+    for i, walker in enumerate(walkers):
+        for lo, part in walker.cover(start, stop):
+            target = out[lo - start : lo - start + part.numel()]
+            if i == 0:
+                target.copy_(part)
+            else:
+                target.add_(part)
+    if scale != 1.0:
+        out.mul_(scale)
 
 
 class _Walker:

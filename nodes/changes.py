@@ -122,8 +122,9 @@ def plain_sgd_lr(optimizer: torch.optim.Optimizer | None, params: Sequence[torch
                  ) -> float | None:
     """The learning rate where a step of `optimizer` is `w -= lr * grad` over `params`
     and nothing else (torch.optim.SGD in one group without momentum, weight decay,
-    maximize or step hooks): then a gradient that is zero but at k elements changes
-    only those. None for any other optimizer."""
+    maximize or step hooks): then the coordinator can take the step itself, without
+    filling the gradient buffers (and a gradient that is zero but at k elements changes
+    only those). None for any other optimizer."""
     if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
         return None
     group = optimizer.param_groups[0]

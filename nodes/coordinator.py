@@ -43,7 +43,7 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.pieces import Received, all_finite, sum_into, whole
+from bus.pieces import BLOCK, Received, add_sum_into, all_finite, sum_into, whole
 from bus.transport import Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
@@ -196,6 +196,11 @@ class Coordinator:
                          if self._compression.topk is not None and not self._weights_pushed
                          else None)
         self._params = list(self.model.parameters())
+        # With plain SGD, dense updates are summed a block at a time into these and added
+        # to the weights from there (bus.pieces.add_sum_into): no pass over a whole buffer.
+        self._scratch = (tuple(torch.empty(min(BLOCK, b.numel), dtype=b.dtype)
+                               for b in self.flat.layout.buckets)
+                         if self._compression.topk is None and not self._weights_pushed else ())
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -673,14 +678,21 @@ class Coordinator:
         """Average the updates and take one step with the result.
 
         Gradients: their mean, times `scale`, goes into the gradient buffers and the
-        optimizer steps. Weights: their mean replaces the weights, or with an outer
+        optimizer steps; with plain SGD (nodes.changes.plain_sgd_lr) the same arithmetic is
+        done without the buffers: block by block for dense updates, at their k elements
+        for top-k ones. Weights: their mean replaces the weights, or with an outer
         optimizer, (weights - mean) is the gradient it steps on.
         """
-        if self._touched is not None:
-            lr = changed.plain_sgd_lr(self.optimizer, self._params)
-            if lr is not None:
+        lr = None if self._weights_pushed else changed.plain_sgd_lr(self.optimizer, self._params)
+        if lr is not None:
+            if self._touched is not None:
                 self._sparse_step(updates, scale, lr)
-                return
+            else:
+                with torch.no_grad():
+                    for b, weights in enumerate(self.flat.weights):
+                        add_sum_into(weights, [update[b] for update in updates],
+                                     scale / len(updates), -lr, self._scratch[b])
+            return
         self._mean(updates, scale)
         with torch.no_grad():
             for b, mean in enumerate(self.flat.grads):

@@ -243,6 +243,30 @@ def test_a_sparse_step_gives_the_weights_of_the_full_step() -> None:
     assert torch.equal(changes[1], sparse.flat.weights[0][written])
 
 
+def test_a_plain_sgd_step_on_dense_updates_is_the_optimizers_bit_for_bit() -> None:
+    def coordinator(hooked: bool) -> Coordinator:
+        torch.manual_seed(0)
+
+        def sgd(ps: Any) -> torch.optim.Optimizer:
+            optimizer = torch.optim.SGD(ps, lr=0.1)
+            if hooked:  # a step hook: the optimizer's own step must run
+                optimizer.register_step_post_hook(lambda *_: None)
+            return optimizer
+
+        return Coordinator(model=torch.nn.Linear(50, 40), strategy=Sync(workers=2), lr=0.1,
+                           optimizer=sgd, config=CoordinatorConfig(batch_size=4, steps=1))
+
+    plain, full = coordinator(False), coordinator(True)
+    n = plain.flat.weights[0].numel()
+    updates = [(torch.randn(n),), (torch.randn(n).to(torch.bfloat16),)]
+    grads_before = plain.flat.grads[0].clone()
+    plain._step(updates, 0.5)  # type: ignore[arg-type]
+    full._step(updates, 0.5)  # type: ignore[arg-type]
+    assert torch.equal(plain.flat.weights[0], full.flat.weights[0])
+    assert not torch.equal(plain.flat.weights[0], coordinator(False).flat.weights[0])  # it stepped
+    assert torch.equal(plain.flat.grads[0], grads_before)  # through a block, not the buffers
+
+
 # Integration: one loop, real sockets ----------------------------------------------------
 
 

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from bus.pieces import Pieces, all_finite, copy_into, spans, sum_into, whole
+from bus.pieces import (
+    Pieces,
+    add_sum_into,
+    all_finite,
+    copy_into,
+    spans,
+    sum_into,
+    whole,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -55,6 +63,20 @@ def test_sum_into_one_tensor_copies_it_and_refuses_a_wrong_size() -> None:
     assert torch.equal(flat, torch.arange(6.0))
     with pytest.raises(ValueError, match="5 elements for a buffer of 6"):
         sum_into(flat, [torch.zeros(5)])
+
+
+@pytest.mark.parametrize("n", [1, 7, 10, 1001])
+@pytest.mark.parametrize("scratch", [1, 3, 64])
+def test_add_sum_into_is_the_sum_then_one_add_bit_for_bit(n: int, scratch: int) -> None:
+    torch.manual_seed(n)
+    weights, a, b = torch.randn(n), torch.randn(n), torch.randn(n).to(torch.bfloat16)
+    tensors = [_pieces(a, [n // 3]), b]
+    mean = torch.empty(n)
+    sum_into(mean, tensors, 0.5)
+    want = weights.clone().add_(mean, alpha=-0.03)  # what the optimizer's step does
+    got = weights.clone()
+    add_sum_into(got, tensors, 0.5, -0.03, torch.empty(min(scratch, n)))
+    assert torch.equal(got, want)
 
 
 def test_a_narrower_dtype_adds_into_float32() -> None:
