@@ -1,0 +1,106 @@
+"""This checkout against another commit, side by side: did a change make training faster?
+
+Checks REV out into a temporary git worktree and runs the same cases from both trees,
+alternating within each round (old, new, old, new...), so that the machine's noise falls
+on both alike; each case's ratio is taken within a round. The cases, on
+`benchmarks/mlp.py`, 2 workers, one torch thread a process:
+
+- async, batch 1, 1M parameters: updates per second (part (c)'s tensorbus case);
+- sync with colocated shards, batch 64, 1M and 10M parameters: median ms per version.
+
+    python benchmarks/ab.py REV [--rounds 3]      # about 90 s a round
+
+Writes benchmarks/results/ab-REV.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _versions_at(tree: Path, params: str, arguments: list[str]) -> list[float]:
+    """Training seconds at each version of `tensorbus local` run from `tree`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        command = [sys.executable, "-m", "run", "local", "benchmarks/mlp.py", "--workers", "2",
+                   "--threads", "1", "--metrics", str(metrics), "--no-progress",
+                   "--log-level", "error", *arguments]
+        env = {**os.environ, "BENCH_PARAMS": params, "PYTHONPATH": str(tree)}
+        subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True, timeout=600)
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["train_s"] for r in records if r["event"] == "step"]
+
+
+def async_rate(tree: Path) -> float:
+    at = _versions_at(tree, "1M", ["--strategy", "async", "--steps", "3000", "--batch-size", "1",
+                                   "--lr", "0.01"])
+    steady = at[len(at) // 4 :]
+    return (len(steady) - 1) / (steady[-1] - steady[0])
+
+
+def sync_ms(tree: Path, params: str, versions: int) -> float:
+    at = _versions_at(tree, params, ["--strategy", "sync", "--colocate", "--steps", str(versions)])
+    gaps = [b - a for a, b in itertools.pairwise(at)]
+    return 1000 * statistics.median(gaps[len(gaps) // 4 :])
+
+
+CASES: dict[str, tuple[Callable[[Path], float], str]] = {
+    "async, 1M, batch 1": (async_rate, "updates/s"),
+    "sync colocated, 1M": (lambda tree: sync_ms(tree, "1M", 400), "ms/version"),
+    "sync colocated, 10M": (lambda tree: sync_ms(tree, "10M", 60), "ms/version"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rev", help="the commit to compare with (the old side)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout.strip()
+    figures: dict[str, dict[str, list[float]]] = {c: {"old": [], "new": []} for c in CASES}
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old), args.rev], cwd=ROOT,
+                       check=True)
+        try:
+            for r in range(args.rounds):
+                for case, (measure, unit) in CASES.items():
+                    for side, tree in (("old", old), ("new", ROOT)):
+                        figures[case][side].append(measure(tree))
+                        print(f"round {r + 1}/{args.rounds} {case} {side}: "
+                              f"{figures[case][side][-1]:.2f} {unit}", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=False)
+    lines = [(f"`python benchmarks/ab.py {args.rev} --rounds {args.rounds}` (new: this checkout, "
+              f"{head} and what is not committed; old: {args.rev})"), "",
+             "| case | old, median | new, median | new / old, each round | unit |",
+             "|---|---:|---:|---|---|"]
+    for case, (_, unit) in CASES.items():
+        o, n = figures[case]["old"], figures[case]["new"]
+        ratios = ", ".join(f"{b / a:.3f}" for a, b in zip(o, n, strict=True))
+        lines.append(f"| {case} | {statistics.median(o):.2f} | {statistics.median(n):.2f} "
+                     f"| {ratios} | {unit} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"ab-{args.rev}"
+    (args.out / f"{name}.json").write_text(json.dumps({"new": head, "old": args.rev,
+                                                       "figures": figures}, indent=1) + "\n")
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
