@@ -16,9 +16,7 @@ Writes benchmarks/results/ab-REV.md and .json.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,39 +25,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import steps
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _versions_at(tree: Path, params: str, arguments: list[str]) -> list[float]:
-    """Training seconds at each version of `tensorbus local` run from `tree`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "metrics.jsonl"
-        command = [sys.executable, "-m", "run", "local", "benchmarks/mlp.py", "--workers", "2",
-                   "--threads", "1", "--metrics", str(metrics), "--no-progress",
-                   "--log-level", "error", *arguments]
-        env = {**os.environ, "BENCH_PARAMS": params, "PYTHONPATH": str(tree)}
-        subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True, timeout=600)
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["train_s"] for r in records if r["event"] == "step"]
-
-
-def async_rate(tree: Path) -> float:
-    at = _versions_at(tree, "1M", ["--strategy", "async", "--steps", "3000", "--batch-size", "1",
-                                   "--lr", "0.01"])
-    steady = at[len(at) // 4 :]
-    return (len(steady) - 1) / (steady[-1] - steady[0])
-
-
-def sync_ms(tree: Path, params: str, versions: int) -> float:
-    at = _versions_at(tree, params, ["--strategy", "sync", "--colocate", "--steps", str(versions)])
-    gaps = [b - a for a, b in itertools.pairwise(at)]
-    return 1000 * statistics.median(gaps[len(gaps) // 4 :])
-
-
 CASES: dict[str, tuple[Callable[[Path], float], str]] = {
-    "async, 1M, batch 1": (async_rate, "updates/s"),
-    "sync colocated, 1M": (lambda tree: sync_ms(tree, "1M", 400), "ms/version"),
-    "sync colocated, 10M": (lambda tree: sync_ms(tree, "10M", 60), "ms/version"),
+    "async, 1M, batch 1": (lambda tree: steps.tensorbus_async("1M", 3000, tree=tree), "updates/s"),
+    "sync colocated, 1M": (lambda tree: 1000 * steps.tensorbus_sync("1M", 400, colocate=True,
+                                                                    tree=tree), "ms/version"),
+    "sync colocated, 10M": (lambda tree: 1000 * steps.tensorbus_sync("10M", 60, colocate=True,
+                                                                     tree=tree), "ms/version"),
 }
 
 

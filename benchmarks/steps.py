@@ -113,14 +113,18 @@ def ddp(params: str, steps: int, workers: int = 2) -> float:
     return _steady(times)
 
 
-def _tensorbus(params: str, workers: int, strategy: str, steps: int, *extra: str) -> list[dict[str, Any]]:
+def _tensorbus(params: str, workers: int, strategy: str, steps: int, *extra: str,
+               tree: Path = ROOT) -> list[dict[str, Any]]:
+    """The metrics records of `tensorbus local` run from the checkout `tree` (this one
+    unless said: benchmarks/ab.py runs another commit's beside it)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        command = [sys.executable, "-m", "run", "local", SPEC, "--workers", str(workers),
-                   "--strategy", strategy, "--steps", str(steps), "--threads", "1",
-                   "--metrics", str(metrics), "--no-progress", "--log-level", "error", *extra]
-        env = {**os.environ, "BENCH_PARAMS": params}
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+        command = [sys.executable, "-m", "run", "local", str(tree / "benchmarks" / "mlp.py"),
+                   "--workers", str(workers), "--strategy", strategy, "--steps", str(steps),
+                   "--threads", "1", "--metrics", str(metrics), "--no-progress", "--log-level",
+                   "error", *extra]
+        env = {**os.environ, "BENCH_PARAMS": params, "PYTHONPATH": str(tree)}
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
                               timeout=600, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
@@ -128,20 +132,21 @@ def _tensorbus(params: str, workers: int, strategy: str, steps: int, *extra: str
 
 
 def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = "",
-                   colocate: bool = False) -> float:
+                   colocate: bool = False, tree: Path = ROOT) -> float:
     """Seconds per version of `tensorbus local --strategy sync`, batch 64 per worker: with
     one central coordinator, or with `colocate`, a shard in every worker (--colocate)."""
     records = _tensorbus(params, workers, "sync", steps,
                          *(["--compress", compress] if compress else []),
-                         *(["--colocate"] if colocate else []))
+                         *(["--colocate"] if colocate else []), tree=tree)
     at = [r["train_s"] for r in records if r["event"] == "step"]
     return _steady([b - a for a, b in itertools.pairwise(at)])
 
 
-def tensorbus_async(params: str, pushes: int, workers: int = 2, compress: str = "") -> float:
+def tensorbus_async(params: str, pushes: int, workers: int = 2, compress: str = "",
+                    tree: Path = ROOT) -> float:
     """Updates applied per second by `tensorbus local --strategy async`, batch 1."""
     records = _tensorbus(params, workers, "async", pushes, "--batch-size", "1", "--lr", "0.01",
-                         *(["--compress", compress] if compress else []))
+                         *(["--compress", compress] if compress else []), tree=tree)
     steps = [r["train_s"] for r in records if r["event"] == "step"]
     steady = steps[len(steps) // 4 :]
     return (len(steady) - 1) / (steady[-1] - steady[0])
