@@ -6,7 +6,9 @@ on both alike; each case's ratio is taken within a round. The cases, on
 `benchmarks/mlp.py`, 2 workers, one torch thread a process:
 
 - async, batch 1, 1M parameters: updates per second (part (c)'s tensorbus case);
-- sync with colocated shards, batch 64, 1M and 10M parameters: median ms per version.
+- sync with colocated shards, batch 64, 1M and 10M parameters: median ms per version;
+- the same at 1M: the median ms shard 0 spends making each version and handing it to its
+  sockets (its trace's apply and broadcast spans: `steps.shard_ms`).
 
     python benchmarks/ab.py REV [--rounds 3]      # about 90 s a round
 
@@ -38,6 +40,8 @@ CASES: dict[str, tuple[Callable[[Path], float], str]] = {
                                                                     tree=tree), "ms/version"),
     "sync colocated, 10M": (lambda tree: 1000 * steps.tensorbus_sync("10M", 60, colocate=True,
                                                                      tree=tree), "ms/version"),
+    "shard 0's step + broadcast, sync colocated, 1M": (
+        lambda tree: steps.shard_ms("1M", 1500, tree=tree), "ms/version"),
 }
 
 

@@ -142,6 +142,33 @@ def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = ""
     return _steady([b - a for a, b in itertools.pairwise(at)])
 
 
+def colocated_trace(params: str, steps: int, tree: Path = ROOT) -> list[dict[str, Any]]:
+    """The trace events (nodes.trace) of a colocated sync run, 2 workers, batch 64."""
+    from nodes.trace import load
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        _tensorbus(params, 2, "sync", steps, "--colocate", "--trace", str(trace), tree=tree)
+        return load(trace)
+
+
+def spans_by_version(events: list[dict[str, Any]], track: int, name: str
+                     ) -> dict[int, dict[str, Any]]:
+    """A track's spans of one name, by the version they name (the last one of each)."""
+    return {e["args"]["version"]: e for e in events
+            if e.get("ph") == "X" and e.get("pid") == track and e["name"] == name}
+
+
+def shard_ms(params: str, steps: int, tree: Path = ROOT) -> float:
+    """Median ms that shard 0 of a colocated sync run spends making a version and handing it
+    to its sockets: its trace's apply span (the step) plus broadcast span (the snapshot and
+    the send), per version, the first third of the run left out."""
+    events = colocated_trace(params, steps, tree)
+    apply, broadcast = (spans_by_version(events, 0, n) for n in ("apply", "broadcast"))
+    return statistics.median((apply[v]["dur"] + broadcast[v]["dur"]) / 1000
+                             for v in apply if v > steps // 3 and v in broadcast)
+
+
 def tensorbus_async(params: str, pushes: int, workers: int = 2, compress: str = "",
                     tree: Path = ROOT) -> float:
     """Updates applied per second by `tensorbus local --strategy async`, batch 1."""

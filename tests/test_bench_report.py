@@ -1,4 +1,5 @@
 """The benchmark's report: ratios are taken within a round, against the best baseline.
+And benchmarks/timeline.py reads a version's parts off a trace as it should.
 
 `benchmarks/bench.py` turns rounds of figures into the README's tables; a ratio with
 several denominators (raw pyzmq at two frame sizes) is taken against the fastest of them
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import bench
+from benchmarks import bench, timeline
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -54,3 +55,25 @@ def test_markdown_lists_every_case_and_ratio() -> None:
     text = bench.markdown(report)
     assert "| a/128MB/zmq-512K | 4 | 4 | 4 | GB/s |" in text
     assert "| a/128MB: tensorbus / zmq best chunked | 0.75 | 0.75 | 0.75 | >= 0.8 wanted |" in text
+
+
+def _span(track: int, name: str, ts: float, dur: float, version: int) -> dict[str, object]:
+    return {"ph": "X", "pid": track, "name": name, "ts": ts, "dur": dur,
+            "args": {"version": version}}
+
+
+def test_the_timeline_takes_each_part_of_a_version_from_the_trace() -> None:
+    events: list[dict[str, object]] = []
+    for v in range(1, 5):  # a version every 10 ms (in microseconds, as traces are)
+        t = 10_000.0 * v
+        events += [_span(0, "apply", t, 600, v), _span(0, "broadcast", t + 600, 400, v),
+                   _span(1, "compute", t + 2000, 4000, v), _span(1, "push", t + 6000, 500, v),
+                   _span(2, "compute", t + 3000, 4000, v), _span(2, "push", t + 7000, 2000, v)]
+    events.append({"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "x"}})
+    figures = timeline.timeline(events, first=1)  # versions 2 to 4
+    assert figures["shard 0: apply (the step)"] == 0.6
+    assert figures["shard 0: broadcast (snapshot and send)"] == 0.4
+    assert figures["version to version (apply to next apply)"] == 10.0
+    assert figures["worker 1: push to shard 0 (over TCP)"] == 2.0
+    assert figures["worker 0: shard 0's broadcast to its next compute"] == 1.0
+    assert figures["worker 1: shard 0's broadcast to its next compute"] == 2.0
