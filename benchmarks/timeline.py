@@ -26,6 +26,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,7 +36,7 @@ from benchmarks import steps
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def timeline(events: list[dict], first: int) -> dict[str, float]:
+def timeline(events: list[dict[str, Any]], first: int) -> dict[str, float]:
     """Median ms of each part of a version, from the versions after `first`."""
     apply, broadcast = (steps.spans_by_version(events, 0, n) for n in ("apply", "broadcast"))
     kept = sorted(v for v in apply if v > first and v in broadcast)
