@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import steps
 
 RESULTS = ROOT / "benchmarks" / "results"
+GIT_S = 120  # a local git command; past this, something is wrong (a lock held, say)
 
 
 CASES: dict[str, tuple[Callable[[Path], float], str]] = {
@@ -52,12 +53,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout.strip()
+                          capture_output=True, text=True, timeout=GIT_S).stdout.strip()
     figures: dict[str, dict[str, list[float]]] = {c: {"old": [], "new": []} for c in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old), args.rev], cwd=ROOT,
-                       check=True)
+                       check=True, timeout=GIT_S)
         try:
             for r in range(args.rounds):
                 for case, (measure, unit) in CASES.items():
@@ -66,7 +67,8 @@ def main() -> None:
                         print(f"round {r + 1}/{args.rounds} {case} {side}: "
                               f"{figures[case][side][-1]:.2f} {unit}", flush=True)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=False)
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT,
+                           check=False, timeout=GIT_S)
     lines = [(f"`python benchmarks/ab.py {args.rev} --rounds {args.rounds}` (new: this checkout, "
               f"{head} and what is not committed; old: {args.rev})"), "",
              "| case | old, median | new, median | new / old, each round | unit |",

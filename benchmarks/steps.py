@@ -35,6 +35,7 @@ import zmq
 
 from benchmarks import mlp
 from benchmarks.throughput import free_port
+from nodes.trace import load
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = str(ROOT / "benchmarks" / "mlp.py")
@@ -144,8 +145,6 @@ def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = ""
 
 def colocated_trace(params: str, steps: int, tree: Path = ROOT) -> list[dict[str, Any]]:
     """The trace events (nodes.trace) of a colocated sync run, 2 workers, batch 64."""
-    from nodes.trace import load
-
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         _tensorbus(params, 2, "sync", steps, "--colocate", "--trace", str(trace), tree=tree)

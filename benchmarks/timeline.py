@@ -46,9 +46,9 @@ def timeline(events: list[dict[str, Any]], first: int) -> dict[str, float]:
         "version to version (apply to next apply)": [
             apply[v + 1]["ts"] - apply[v]["ts"] for v in kept if v + 1 in apply],
     }
+    ends = {v: broadcast[v]["ts"] + broadcast[v]["dur"] for v in kept}  # of each broadcast
     for rank, how in ((0, "in process"), (1, "over TCP")):
         compute, push = (steps.spans_by_version(events, rank + 1, n) for n in ("compute", "push"))
-        ends = {v: broadcast[v]["ts"] + broadcast[v]["dur"] for v in kept}
         parts[f"worker {rank}: compute"] = [compute[v]["dur"] for v in kept if v in compute]
         parts[f"worker {rank}: push to shard 0 ({how})"] = [
             push[v]["dur"] for v in kept if v in push]
