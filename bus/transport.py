@@ -150,7 +150,7 @@ class ZmqServer:
                 self._gate = KeyGate(self._context, keys.authorized)
             self._router = self._socket(zmq.ROUTER, max_message_bytes)
             self._router.bind(f"tcp://{host}:{port or '*'}")
-            self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             _, bound = split_endpoint(self.endpoint)
             # A fixed request port gets a fixed broadcast port beside it (firewall rules);
             # a random one gets a random one.
@@ -160,7 +160,7 @@ class ZmqServer:
             self._pub.setsockopt(zmq.SNDHWM, PUB_QUEUE)
             want = pub_port if pub_port is not None else (port + 1 if port else 0)
             self._pub.bind(f"tcp://{host}:{want or '*'}")
-            _, self.pub_port = split_endpoint(self._pub.getsockopt(zmq.LAST_ENDPOINT).decode())
+            _, self.pub_port = split_endpoint(self._pub.getsockopt_string(zmq.LAST_ENDPOINT))
             # With a hub, also in-process: for a worker of this process (after the tcp
             # binds, which LAST_ENDPOINT above must name).
             self.inproc_endpoint = ""
@@ -172,7 +172,7 @@ class ZmqServer:
         except zmq.ZMQError as e:
             self.close()
             raise OSError(
-                f"cannot bind {bind} or its broadcast port ({zmq.strerror(e.errno)}); the broadcast port is "
+                f"cannot bind {bind} or its broadcast port ({e.strerror}); the broadcast port is "
                 "PORT+1 unless --pub-port says otherwise: stop what holds them, or choose "
                 "other ports"
             ) from None
@@ -235,10 +235,10 @@ class ZmqRouter:
             if keys is not None:
                 curve_server(self._router, keys)
             self._router.bind(f"tcp://{host}:{port or '*'}")
-            self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self.close()
-            raise OSError(f"cannot bind {bind} ({zmq.strerror(e.errno)}): stop what holds "
+            raise OSError(f"cannot bind {bind} ({e.strerror}): stop what holds "
                           "the port, or choose another") from None
         except BaseException:
             self.close()

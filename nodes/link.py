@@ -396,9 +396,9 @@ class Link:
                 continue
             del frames  # the message holds what it needs of them (see _broadcasts)
             self._heard(message)
-            future = self._pending.get(message.request)
-            if future is not None and not future.done():
-                future.set_result(message)
+            waiting = self._pending.get(message.request)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(message)
             elif isinstance(message, Reject):
                 if message.code == RejectCode.UNKNOWN_WORKER.value:
                     # It no longer counts us (removed while silent, or restarted): join

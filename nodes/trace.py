@@ -91,5 +91,6 @@ def load(path: Path) -> list[dict[str, Any]]:
         text = text.rstrip(",") + "\n]"
     events = json.loads(text)
     if not isinstance(events, list):
-        raise ValueError(f"{path} is not a JSON array of trace events")
+        # A file's content, not an argument's type: ValueError, as json's own errors.
+        raise ValueError(f"{path} is not a JSON array of trace events")  # noqa: TRY004
     return events

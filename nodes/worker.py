@@ -169,7 +169,8 @@ class Worker:
         train = asyncio.create_task(self._train(welcome))
         helpers = [asyncio.create_task(c) for link in self.links for c in link.session()]
         try:
-            await asyncio.wait({train, self._ended}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {train, self._ended}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not train.done():
                 raise self._ended.result()
             train.result()
@@ -312,7 +313,8 @@ class Worker:
         """Send this shard its part once backward has finished it (or the compute is over)
         and return its answer. The answer may be held back by the strategy (ssp's bound):
         it is awaited while the coordinator is alive, not against a fixed deadline."""
-        await asyncio.wait({ready, compute}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {ready, compute}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if compute.done():
             loss, samples = compute.result()
         else:
@@ -352,7 +354,7 @@ class Worker:
 
     def _compute(
         self, latest: list[Newer | None], local_steps: int, current: int,
-        announce: Callable[[int], None] | None, loaded: Callable[[], None] | None = None,
+        announce: Callable[[int], None] | None, loaded: Callable[[], object] | None = None,
     ) -> tuple[float, int]:
         """Load the newest weights each link has, then compute `local_steps` gradients
         (each followed by a local optimizer step when this worker owns one) into gradient

@@ -94,7 +94,8 @@ async def launch_colocated(
             run = status.around(node.coordinator, run)
         # A signal stops every shard, at one version.
         training = asyncio.create_task(stopping_on_signals(_Shards(node.coordinator, children), run))
-        await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {training, failure}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
             training.cancel()
             await asyncio.gather(training, return_exceptions=True)
@@ -153,7 +154,8 @@ async def _endpoint(rank: int, child: asyncio.subprocess.Process, failure: async
     """The address worker `rank` bound its shard at (its first line on stdout)."""
     assert child.stdout is not None
     reading = asyncio.ensure_future(child.stdout.readline())
-    await asyncio.wait({reading, failure}, timeout=STARTUP_S, return_when=asyncio.FIRST_COMPLETED)
+    either: set[asyncio.Future[Any]] = {reading, failure}
+    await asyncio.wait(either, timeout=STARTUP_S, return_when=asyncio.FIRST_COMPLETED)
     if failure.done():
         reading.cancel()
         raise LocalRunError(_fatal(failure.result()))

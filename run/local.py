@@ -119,7 +119,8 @@ async def _launch(
         if status is not None:  # the first shard's view: every shard sees the same workers
             run = status.around(coordinators[0], run)
         training = asyncio.create_task(stopping_on_signals(coordinators, run))
-        await asyncio.wait({training, failure}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {training, failure}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
             training.cancel()
             await asyncio.gather(training, return_exceptions=True)

@@ -252,7 +252,8 @@ async def serve(coordinators: list[Coordinator]) -> dict[str, Any]:
     gathered = asyncio.gather(*rest)
     main = asyncio.create_task(first.run(before_evaluate=gathered))
     try:
-        await asyncio.wait({main, gathered}, return_when=asyncio.FIRST_EXCEPTION)
+        both: set[asyncio.Future[Any]] = {main, gathered}
+        await asyncio.wait(both, return_when=asyncio.FIRST_EXCEPTION)
         if gathered.done() and gathered.exception() is not None:
             raise gathered.exception()  # type: ignore[misc]
         summary = await main

@@ -148,7 +148,8 @@ def _read(path: Path, label: str | None) -> _Run:
         raise PlotError(f"{path} has no step records: is it a --metrics file of tensorbus local "
                         "or coordinator?")
     figure = _figure_name(evals) or ("accuracy" if summary and "accuracy" in summary else None)
-    points = [(e["train_s"], v) for e in evals if (v := _number(e.get(figure))) is not None]
+    points = [(e["train_s"], v) for e in evals
+              if figure is not None and (v := _number(e.get(figure))) is not None]
     final = None
     if summary is not None and figure is not None:
         value, train_s = _number(summary.get(figure)), _number(summary.get("train_s"))

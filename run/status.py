@@ -29,9 +29,9 @@ def format_status(status: Status) -> list[str]:
     """The table as lines: a line for the run, a header, a row per live worker."""
     of = f"/{status.target}" if status.target else ""
     loss = f"loss {status.loss:.4f}" if status.loss is not None else "no loss yet"
-    lines = [f"v{status.version}{of} {status.state}, {status.train_s:.1f} s training, "
-             f"{status.samples} samples, {loss}, {len(status.workers)} worker(s)"]
-    rows = [HEADER]
+    lines = [(f"v{status.version}{of} {status.state}, {status.train_s:.1f} s training, "
+              f"{status.samples} samples, {loss}, {len(status.workers)} worker(s)")]
+    rows: list[tuple[str, ...]] = [HEADER]
     for w in status.workers:
         compute = f"{w.compute_ms:.0f} ms" if w.compute_ms is not None else "-"
         rows.append((str(w.rank), w.state, f"{w.seen_s:.1f}s", str(w.clock), str(w.version),
