@@ -1,6 +1,6 @@
 """The speed benchmark: tensorbus against its baselines, side by side, in one run.
 
-    python benchmarks/bench.py            # 3 rounds, 13 to 20 minutes on 2 cores
+    python benchmarks/bench.py            # 3 rounds, 10 to 13 minutes on 2 cores
     python benchmarks/bench.py --rounds 1 --quick
 
 Every round runs every case once, in the same order, so that a noisy neighbour slows all
