@@ -1,5 +1,6 @@
 """The benchmark's report: ratios are taken within a round, against the best baseline.
-And benchmarks/timeline.py reads a version's parts off a trace as it should.
+And benchmarks/timeline.py reads a version's parts off a trace as it should, and
+benchmarks/cpu_profile.py names torch's kernels and tabulates medians as it should.
 
 `benchmarks/bench.py` turns rounds of figures into the README's tables; a ratio with
 several denominators (raw pyzmq at two frame sizes) is taken against the fastest of them
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import bench, timeline
+from benchmarks import bench, cpu_profile, timeline
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -77,3 +78,22 @@ def test_the_timeline_takes_each_part_of_a_version_from_the_trace() -> None:
     assert figures["worker 1: push to shard 0 (over TCP)"] == 2.0
     assert figures["worker 0: shard 0's broadcast to its next compute"] == 1.0
     assert figures["worker 1: shard 0's broadcast to its next compute"] == 2.0
+
+
+def test_cpu_profile_names_torch_kernels_and_tabulates_medians_by_contender() -> None:
+    copy = ("[.] c10::function_ref<void (char**, long const*, long, long)>::callback_fn<at::"
+            "native::AVX2::VectorizedLoop2d<at::native::AVX2::direct_copy_kernel(at::"
+            "TensorIteratorBase&)::{lambda()#3}>")
+    add = ("[.] c10::function_ref<void (char**, long const*, long, long)>::callback_fn<at::native"
+           "::(anonymous namespace)::add_kernel(at::TensorIteratorBase&, c10::Scalar const&)>")
+    assert cpu_profile._short(copy) == "torch direct_copy_kernel"
+    assert cpu_profile._short(add) == "torch add_kernel"
+    assert cpu_profile._short("[k] _copy_to_iter") == "_copy_to_iter"
+    assert len(cpu_profile._short("[.] " + "x" * 100)) == 60
+    rounds = {"A": [{"dso": {"libpython": 1.0, "libtorch": 5.0}},
+                    {"dso": {"libpython": 3.0, "libtorch": 7.0}}],
+              "B": [{"dso": {"libtorch": 2.0}}, {"dso": {"libtorch": 4.0, "kernel": 9.0}}]}
+    lines = cpu_profile._table(rounds, "dso", 2)
+    # The rows with the largest median first, at most 2; a label a round lacks counts 0.
+    assert lines == ["| dso | A | B |", "|---|---:|---:|", "| libtorch | 6.00 | 3.00 |",
+                     "| kernel | 0.00 | 4.50 |"]
