@@ -111,16 +111,34 @@ def _walkers(count: int, tensors: Sequence[Received]) -> list[_Walker]:
 
 
 def _sum_block(out: torch.Tensor, walkers: list[_Walker], start: int, stop: int, scale: float) -> None:
-    """out[:] = scale * (the sum of the walkers' elements start to stop)."""
-    for i, walker in enumerate(walkers):
-        for lo, part in walker.cover(start, stop):
-            target = out[lo - start : lo - start + part.numel()]
-            if i == 0:
-                target.copy_(part)
-            else:
-                target.add_(part)
+    """out[:] = scale * (the sum of the walkers' elements start to stop).
+
+    The first two are added in one pass (`torch.add(a, b, out=...)`: the same sums as a copy
+    then an add, with one pass less over the block) where both are cut alike there and of
+    out's dtype; otherwise the first is copied in (a narrower dtype is widened) and the
+    others added."""
+    covers = [list(walker.cover(start, stop)) for walker in walkers]
+    if len(covers) > 1 and _alike(covers[0], covers[1], out.dtype):
+        for (lo, a), (_, b) in zip(covers[0], covers[1], strict=True):
+            torch.add(a, b, out=out[lo - start : lo - start + a.numel()])
+        rest = covers[2:]
+    else:
+        for lo, part in covers[0]:
+            out[lo - start : lo - start + part.numel()].copy_(part)
+        rest = covers[1:]
+    for cover in rest:
+        for lo, part in cover:
+            out[lo - start : lo - start + part.numel()].add_(part)
     if scale != 1.0:
         out.mul_(scale)
+
+
+def _alike(a: list[tuple[int, torch.Tensor]], b: list[tuple[int, torch.Tensor]],
+           dtype: torch.dtype) -> bool:
+    """Whether two covers of a block are cut at the same places, both in `dtype`."""
+    return len(a) == len(b) and all(
+        lo_a == lo_b and pa.numel() == pb.numel() and pa.dtype == pb.dtype == dtype
+        for (lo_a, pa), (lo_b, pb) in zip(a, b, strict=True))
 
 
 class _Walker:

@@ -79,6 +79,22 @@ def test_add_sum_into_is_the_sum_then_one_add_bit_for_bit(n: int, scratch: int) 
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("block", [5, 64])
+def test_tensors_cut_alike_are_summed_as_a_copy_then_adds_would_bit_for_bit(
+        count: int, block: int) -> None:
+    """The first two, cut at the same places and of the buffer's dtype, are added in one
+    pass (torch.add into the block): the same float sums, in the same order."""
+    torch.manual_seed(count)
+    tensors = [_pieces(torch.randn(23), [7, 14]) for _ in range(count)]
+    want = whole(tensors[0]).clone()
+    for t in tensors[1:]:
+        want.add_(whole(t))
+    flat = torch.full((23,), 7.0)
+    sum_into(flat, tensors, 0.25, block=block)
+    assert torch.equal(flat, want.mul_(0.25))
+
+
 def test_a_narrower_dtype_adds_into_float32() -> None:
     flat = torch.zeros(6)
     half = torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5, 5.5], dtype=torch.bfloat16)
