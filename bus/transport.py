@@ -89,6 +89,11 @@ def _inproc(port: int) -> tuple[str, str]:
     return f"inproc://tensorbus-{port}", f"inproc://tensorbus-{port}-broadcasts"
 
 
+def _reason(e: zmq.ZMQError) -> str:
+    """ZeroMQ's reason alone (a bind's own error text also repeats the address)."""
+    return zmq.strerror(e.errno) if e.errno is not None else str(e)
+
+
 def is_loopback(host: str) -> bool:
     """Whether HOST (a name or an address) is this machine's loopback."""
     if host == "localhost":
@@ -172,7 +177,7 @@ class ZmqServer:
         except zmq.ZMQError as e:
             self.close()
             raise OSError(
-                f"cannot bind {bind} or its broadcast port ({e.strerror}); the broadcast port is "
+                f"cannot bind {bind} or its broadcast port ({_reason(e)}); the broadcast port is "
                 "PORT+1 unless --pub-port says otherwise: stop what holds them, or choose "
                 "other ports"
             ) from None
@@ -238,7 +243,7 @@ class ZmqRouter:
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self.close()
-            raise OSError(f"cannot bind {bind} ({e.strerror}): stop what holds "
+            raise OSError(f"cannot bind {bind} ({_reason(e)}): stop what holds "
                           "the port, or choose another") from None
         except BaseException:
             self.close()

@@ -117,7 +117,7 @@ class Colocated:
             if serving not in done:
                 # Our worker was stopped (by another shard, or a signal there): so is the
                 # run. Stop gracefully too, rather than see the workers leave and fail.
-                self.coordinator.request_stop("the run stopped")
+                self.coordinator.request_stop("the run stopped", quiet=True)
             return await serving, await training
         finally:
             for task in tasks:

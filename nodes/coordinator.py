@@ -228,6 +228,7 @@ class Coordinator:
         self._positions: dict[int, int] = {}  # rank -> batches of its shard used so far
         self._step_lock = asyncio.Lock()  # one update (or checkpoint) at a time
         self._stop_requested: str | None = None
+        self._stop_quietly = False
         self._stop_at: int | None = None  # the version a requested stop waits for
         self._stop_timer: asyncio.TimerHandle | None = None
         self._failure: str | None = None  # why the run failed, raised once workers are told
@@ -341,16 +342,18 @@ class Coordinator:
         await self._carry_out(self.strategy.handle(Left(rank, time.monotonic())))
         return True
 
-    def request_stop(self, why: str, *, at_version: int | None = None) -> None:
+    def request_stop(self, why: str, *, at_version: int | None = None, quiet: bool = False) -> None:
         """Stop gracefully (for SIGTERM or Ctrl-C): finish the update in flight, write a
         checkpoint (with a checkpoint_dir), tell the workers to stop, and return the summary.
         With `at_version`, train on to that version first, then stop so: shards that must
         end at one version (colocated, see run.colocated) are each told the same one. If
-        it is not reached within the stop timeout, stop where it is. Call it from the
+        it is not reached within the stop timeout, stop where it is. `quiet`: a stop that
+        is the run's normal end (said at info level, not as a warning). Call it from the
         coordinator's event loop."""
         if self._stop_requested is not None or self._done is None or self._done.done():
             return
         self._stop_requested = why
+        self._stop_quietly = quiet
         if at_version is not None and at_version > self.version:
             log.warning("stop requested (%s): training on to version %d, then stopping",
                         why, at_version)
@@ -362,7 +365,8 @@ class Coordinator:
 
     def _stop_now(self, why: str) -> None:
         self._stop_at = None
-        log.warning("stop requested (%s): finishing the update in flight", why)
+        log.log(logging.INFO if self._stop_quietly else logging.WARNING,
+                "stop requested (%s): finishing the update in flight", why)
         task = asyncio.get_running_loop().create_task(self._guard(self._graceful_stop(why)))
         self._background = task  # a reference, so that the task is not collected
 
@@ -783,7 +787,7 @@ class Coordinator:
         self.metrics.resumed(self.version, state["samples"], str(path))
         self._target_samples = state["target_samples"]
         self._positions = dict(state["positions"])
-        log.warning("resumed from %s at version %d", path, self.version)
+        log.info("resumed from %s at version %d", path, self.version)
 
     # Evaluation points -----------------------------------------------------------------
 
@@ -953,7 +957,8 @@ class Coordinator:
         if self.state is State.STARTING and now - self._started_at > self.config.join_timeout_s:
             await self._fail(
                 f"only {len(self._members)} of {self.strategy.workers} workers joined within "
-                f"{self.config.join_timeout_s:.0f} s"
+                f"{self.config.join_timeout_s:.0f} s: are they started, and pointed at "
+                f"{self.endpoint}? (--join-timeout waits longer)"
             )
         if self.state is State.TRAINING and len(self._members) < self.config.min_workers:
             why = "; ".join(self._errors) or "the others left or went silent"
@@ -972,8 +977,9 @@ class Coordinator:
     async def _fail(self, why: str) -> None:
         """End the run with an error: checkpoint (to resume once workers are back), tell the
         workers to stop (so that none waits to reconnect to a coordinator that is not coming
-        back), let them leave, then `run` raises TrainingError with `why`."""
-        log.error("%s", why)
+        back), let them leave, then `run` raises TrainingError with `why` (said once, by
+        whoever catches it: the CLI's last line)."""
+        log.info("failing: %s", why)
         self._failure = why
         async with self._step_lock:
             await self._checkpoint()

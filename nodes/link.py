@@ -68,6 +68,7 @@ from nodes import changes as changed
 
 log = logging.getLogger("tensorbus.worker")
 _ASIDE = 64  # Changes kept aside while a missed one is made up for; older ones are let go
+JOIN_SAY_S = 10.0  # a join unanswered this long is said in the log, once
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class Link:
         self.stopped = False
         self._coordinator_version = 0
         self.seen = -math.inf  # when last heard; never: nobody to say goodbye to
+        self.joined = False  # welcomed once: a worker stopped before that has nobody to leave
         self.heartbeat_s = 0.5
         self.timeout_s = 10.0
         self._config_request_timeout_s = request_timeout_s
@@ -158,6 +160,7 @@ class Link:
         off; with `any_rank`, take any rank when that one went to another worker."""
         deadline = time.monotonic() + within_s
         wait = 1.0
+        say_at = time.monotonic() + JOIN_SAY_S  # say once that nobody answers yet
         while True:
             join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD)
             try:
@@ -168,6 +171,11 @@ class Link:
                     raise HandshakeError(self.peer, problem) from None  # waiting will not mend it
                 if time.monotonic() >= deadline:
                     raise PeerTimeoutError(self.peer, what, within_s, problem or "") from None
+                if time.monotonic() >= say_at:
+                    say_at = math.inf
+                    log.warning("worker %d: no answer to its %s from the %s yet (%s); trying "
+                                "for %.0f s in all", self._owner.rank, what.split(":")[0],
+                                self.peer, problem or "is it running?", within_s)
                 wait = min(wait * 2, 10.0)
                 continue
             except RejectedError as e:
@@ -178,6 +186,7 @@ class Link:
             if not isinstance(reply, Welcome):
                 raise RejectedError("unexpected", f"join answered by {reply.KIND.name}")
             self.load(reply)
+            self.joined = True
             self._latest, self._chain, self._aside = None, [], {}
             self._gap.clear()
             self._coordinator_version = reply.version  # a restarted coordinator may be behind
@@ -361,8 +370,8 @@ class Link:
 
     async def leave(self, reason: str, detail: str) -> None:
         """Say goodbye, briefly: the coordinator may already be gone."""
-        if time.monotonic() - self.seen > self.timeout_s:
-            return  # it is gone: nobody to tell
+        if not self.joined or time.monotonic() - self.seen > self.timeout_s:
+            return  # never a member (stopped while joining), or it is gone: nobody to tell
         try:
             await self.request(Leave(sender=self._owner.rank, version=self.version, reason=reason,
                                      detail=detail[:1000]), timeout=2.0)

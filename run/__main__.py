@@ -2,6 +2,6 @@
 
 import sys
 
-from run.cli import main
+from run.entry import main
 
 sys.exit(main())

@@ -51,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-    if args.threads:
+    error_prefix = "error: " if args.command == "worker" else "tensorbus: error: "
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"{error_prefix}--threads must be at least 1, got {args.threads}",
+                  file=sys.stderr)
+            return 2
         torch.set_num_threads(args.threads)
     keep_freed_memory()
-    error_prefix = "error: " if args.command == "worker" else "tensorbus: error: "
 
     def fail(e: BaseException, text: str, status: int) -> int:
         if args.debug:
@@ -306,7 +310,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
         p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
         p.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
-        p.add_argument("--join-timeout", type=float, default=300.0, help="wait this long for workers")
+        p.add_argument("--join-timeout", type=float, default=300.0,
+                       help="wait this long for workers, in seconds (default 300)")
         p.add_argument("--no-progress", action="store_true", help="no progress line")
         p.add_argument("--status", type=float, nargs="?", const=5.0, metavar="SECONDS",
                        help="print the per-worker status table every SECONDS (default 5); "
@@ -410,7 +415,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="auto (GPU LOCAL_RANK where CUDA is present, else the CPU), cpu, "
                              "cuda (GPU LOCAL_RANK) or cuda:N (default auto)")
     worker.add_argument("--join-timeout", type=float, default=300.0,
-                        help="keep trying to join this long")
+                        help="keep trying to join this long, in seconds (default 300)")
     worker.add_argument("--keys", type=Path, metavar="DIR",
                         help="CURVE: DIR holds coordinator.key and this worker's NAME.key_secret")
     worker.add_argument("--key-name", default="worker", metavar="NAME",
@@ -436,7 +441,8 @@ def _parser() -> argparse.ArgumentParser:
     relay.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
     relay.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
     relay.add_argument("--join-timeout", type=float, default=300.0,
-                       help="wait this long for the root and the workers")
+                       help="wait this long for the root and the workers, in seconds "
+                            "(default 300)")
     relay.add_argument("--keys", type=Path, metavar="DIR",
                        help="CURVE on both sides: DIR holds this relay's coordinator pair and "
                             "authorized/ (for its workers) and its NAME.key_secret and the "

@@ -44,6 +44,8 @@ class LocalRunError(Exception):
 def threads_per_worker(threads: int | None, workers: int) -> int:
     """Torch threads for each of `workers` processes on this machine: `threads` if given,
     else the cores shared out among them (at least one each)."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
     return threads or max(1, (os.cpu_count() or 1) // workers)
 
 
@@ -126,6 +128,11 @@ async def _launch(
             await asyncio.gather(training, return_exceptions=True)
             raise LocalRunError(failure.result())
         summary = training.result()
+        # A worker that never joined (the run was stopped while it started) is told nothing
+        # by anyone: end it now, and give the others time to leave.
+        joined = {rank for c in coordinators for rank, w in c.metrics.per_worker.items()
+                  if w["joins"] > 0}
+        await _reap([p for rank, p in enumerate(workers) if rank not in joined], timeout=0.0)
         await _reap(workers, timeout=REAP_TIMEOUT_S)
         # A worker that failed while the others finished (its shard was empty, say) still
         # fails the run: it did not train as asked. Its relay has its last word.

@@ -62,6 +62,9 @@ class RunOptions:
             raise ValueError(f"--strategy {self.strategy!r}: choose from {sorted(STRATEGIES)}")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give --steps or --epochs, not both")
+        for flag, value in (("--steps", self.steps), ("--epochs", self.epochs)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         parse_local(self.faults, self.workers)
@@ -177,7 +180,8 @@ def coordinator_config(
         pub_port=pub_port,
         batch_size=options.batch_size,
         steps=options.steps,
-        epochs=None if options.steps is not None else (options.epochs or 1),
+        epochs=None if options.steps is not None else (
+            1 if options.epochs is None else options.epochs),
         heartbeat_s=options.heartbeat_s,
         timeout_s=options.timeout_s,
         join_timeout_s=options.join_timeout_s,

@@ -8,6 +8,7 @@ once; each refused worker is a real process that must give up at once, not at it
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -67,8 +68,10 @@ def test_a_spec_that_does_not_exist() -> None:
     (["--strategy", "average", "--compress", "bf16"],
      "tensorbus: error: --compress applies to pushed gradients, and average pushes weights: "
      "drop it, or choose sync, ssp or async"),
+    (["--epochs", "0"], "tensorbus: error: --epochs must be at least 1, got 0"),
+    (["--threads", "0"], "tensorbus: error: --threads must be at least 1, got 0"),
 ], ids=["steps-and-epochs", "option-of-another-strategy", "resume-without-dir", "min-workers",
-        "compress-weights"])
+        "compress-weights", "no-epochs", "no-threads"])
 def test_a_wrong_combination_of_flags(args: list[str], line: str) -> None:
     done = _tensorbus("local", DIGITS, "--workers", "2", *args)
     assert done.returncode == 2
@@ -87,6 +90,34 @@ def test_an_address_in_use() -> None:
         f"tensorbus: error: cannot bind tcp://127.0.0.1:{port} or its broadcast port (Address "
         "already in use); the broadcast port is PORT+1 unless --pub-port says otherwise: stop "
         "what holds them, or choose other ports")
+
+
+def test_workers_that_never_join() -> None:
+    port = _free_port()
+    done = _tensorbus("coordinator", DIGITS, "--bind", f"tcp://127.0.0.1:{port}",
+                      "--workers", "2", "--join-timeout", "1")
+    assert done.returncode == 1
+    assert _one_line(done) == (
+        f"tensorbus: error: only 0 of 2 workers joined within 1 s: are they started, and "
+        f"pointed at tcp://127.0.0.1:{port}? (--join-timeout waits longer)")
+
+
+def test_an_interrupt_while_starting_is_one_line_and_status_130() -> None:
+    """Ctrl-C while Python still imports torch (run.entry), before any signal handler of
+    ours: the same one line and status as an interrupt at any later point."""
+    process = subprocess.Popen([sys.executable, "-m", "run", "local", DIGITS, "--workers", "2"],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, text=True)
+    try:
+        time.sleep(0.3)  # importing torch takes longer than this
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert stderr.strip() == "tensorbus: error: interrupted"
 
 
 def test_a_public_address_without_keys() -> None:

@@ -1,0 +1,24 @@
+"""The `tensorbus` command's entry point (and `python -m run`'s).
+
+Importing torch and the rest of the CLI takes a second or two; an interrupt (Ctrl-C) in that
+time ends like one at any later point: one line, exit status 130 (see `run.cli`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> int:
+    try:
+        from run.cli import main as cli
+    except KeyboardInterrupt:
+        worker = sys.argv[1:2] == ["worker"]  # a worker's errors are read by its launcher
+        print(f"{'' if worker else 'tensorbus: '}error: interrupted", file=sys.stderr, flush=True)
+        # Not a return: an interrupt that landed in code run by exec() from a string (as
+        # dataclasses and torch's import do) makes CPython 3.11 end the process by SIGINT
+        # at exit, even once caught; nothing needs finalizing yet.
+        sys.stdout.flush()
+        os._exit(130)
+    return cli()
