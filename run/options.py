@@ -62,9 +62,15 @@ class RunOptions:
             raise ValueError(f"--strategy {self.strategy!r}: choose from {sorted(STRATEGIES)}")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give --steps or --epochs, not both")
-        for flag, value in (("--steps", self.steps), ("--epochs", self.epochs)):
+        for flag, value in (("--steps", self.steps), ("--epochs", self.epochs),
+                            ("--batch-size", self.batch_size)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
+        if not 0 < self.heartbeat_s < self.timeout_s:
+            raise ValueError(f"--heartbeat must be above 0 and below --timeout, got "
+                             f"{self.heartbeat_s:g} and {self.timeout_s:g}")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"--join-timeout must be above 0, got {self.join_timeout_s:g}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         parse_local(self.faults, self.workers)

@@ -70,8 +70,11 @@ def test_a_spec_that_does_not_exist() -> None:
      "drop it, or choose sync, ssp or async"),
     (["--epochs", "0"], "tensorbus: error: --epochs must be at least 1, got 0"),
     (["--threads", "0"], "tensorbus: error: --threads must be at least 1, got 0"),
+    (["--batch-size", "0"], "tensorbus: error: --batch-size must be at least 1, got 0"),
+    (["--heartbeat", "0.5", "--timeout", "0"],
+     "tensorbus: error: --heartbeat must be above 0 and below --timeout, got 0.5 and 0"),
 ], ids=["steps-and-epochs", "option-of-another-strategy", "resume-without-dir", "min-workers",
-        "compress-weights", "no-epochs", "no-threads"])
+        "compress-weights", "no-epochs", "no-threads", "no-batch", "heartbeat-timeout"])
 def test_a_wrong_combination_of_flags(args: list[str], line: str) -> None:
     done = _tensorbus("local", DIGITS, "--workers", "2", *args)
     assert done.returncode == 2
