@@ -87,18 +87,25 @@ def sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float = 1.0
 
 
 def add_sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float, alpha: float,
-                 scratch: torch.Tensor) -> None:
+                 scratch: torch.Tensor, *, out: torch.Tensor | None = None) -> None:
     """flat += alpha * (scale * the sum of `tensors`), in place: `sum_into` a buffer, then
     `flat.add_(buffer, alpha=alpha)`, the same operations on every element, but a block at a
     time through `scratch` (1-D, of the block's size and flat's dtype), so that no buffer of
-    flat's size is written and read again (a plain SGD step on received gradients)."""
+    flat's size is written and read again (a plain SGD step on received gradients). With
+    `out` (flat's size and dtype), the result goes there and `flat` is left as it was: the
+    same values, bit for bit (`torch.add(flat, buffer, alpha=alpha, out=...)`)."""
     walkers = _walkers(flat.numel(), tensors)
+    if out is not None and (out.shape != flat.shape or out.dtype != flat.dtype):
+        raise ValueError(f"out of {out.dtype} {list(out.shape)} for {flat.dtype} {list(flat.shape)}")
     block = scratch.numel()
     for start in range(0, flat.numel(), block):
         stop = min(flat.numel(), start + block)
-        out = scratch[: stop - start]
-        _sum_block(out, walkers, start, stop, scale)
-        flat[start:stop].add_(out, alpha=alpha)
+        summed = scratch[: stop - start]
+        _sum_block(summed, walkers, start, stop, scale)
+        if out is None:
+            flat[start:stop].add_(summed, alpha=alpha)
+        else:
+            torch.add(flat[start:stop], summed, alpha=alpha, out=out[start:stop])
 
 
 def _walkers(count: int, tensors: Sequence[Received]) -> list[_Walker]:

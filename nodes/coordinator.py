@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import math
 import time
@@ -135,7 +136,8 @@ class _EvalPoint:
 
 @dataclass
 class _Snapshot:
-    """The published copy of one version; Welcome and Pull replies send it too."""
+    """The published buffers of one version (the master's own, or a relay's copy);
+    Welcome and Pull replies send them too."""
 
     version: int
     buffers: tuple[torch.Tensor, ...]
@@ -149,6 +151,11 @@ class _Snapshot:
 
 
 class Coordinator:
+    # The published snapshot is the master weights' own buffer set (no copy), which is then
+    # never written in place (see _update). A relay loads its root's weights into its
+    # master through a Link that holds those buffers, so it copies instead.
+    _ALIAS = True
+
     def __init__(
         self,
         *,
@@ -657,11 +664,22 @@ class Coordinator:
         """Make the next version of the weights from these updates: here, one optimizer
         step, in a thread (a relay, `nodes.relay`, sends their mean upstream instead). A
         step over few parameters is taken on the loop: shorter than the hop to a thread,
-        it would hold heartbeats back by less than that hop costs."""
+        it would hold heartbeats back by less than that hop costs.
+
+        The master weights are also the published snapshot (see `_take_snapshot`): a
+        dense plain-SGD step writes the next version into a free buffer set, which then
+        becomes the master; any other step writes in place, on a master moved off the
+        snapshot first (`_own_master`)."""
+        lr = None if self._weights_pushed else changed.plain_sgd_lr(self.optimizer, self._params)
+        into = self._pool.take() if self._ALIAS and lr is not None and self._touched is None else None
+        if into is None:
+            self._own_master()
         if self._small:
-            self._step(updates, scale)
+            self._step(updates, scale, into=into)
         else:
-            await asyncio.to_thread(self._step, updates, scale)
+            await asyncio.to_thread(functools.partial(self._step, updates, scale, into=into))
+        if into is not None:
+            self._adopt(into)
 
     def _mean(self, updates: list[tuple[Received, ...]], scale: float) -> None:
         """The mean of the updates (in the given order), times `scale`, into the gradient
@@ -678,16 +696,20 @@ class Coordinator:
                     # Read where they arrived (no copy before), a block at a time.
                     sum_into(mean, [update[b] for update in updates], scale / len(updates))
 
-    def _step(self, updates: list[tuple[Received, ...]], scale: float) -> None:
+    def _step(self, updates: list[tuple[Received, ...]], scale: float, *,
+              into: tuple[torch.Tensor, ...] | None = None) -> None:
         """Average the updates and take one step with the result.
 
         Gradients: their mean, times `scale`, goes into the gradient buffers and the
-        optimizer steps; with plain SGD (nodes.changes.plain_sgd_lr) the same arithmetic is
-        done without the buffers: block by block for dense updates, at their k elements
+        optimizer steps; with plain SGD (nodes.changes.plain_sgd_lr) the same
+        arithmetic is done without the buffers: block by block for dense updates (into
+        the buffer set `into`, if given, leaving the master as it was), at their k elements
         for top-k ones. Weights: their mean replaces the weights, or with an outer
         optimizer, (weights - mean) is the gradient it steps on.
         """
         lr = None if self._weights_pushed else changed.plain_sgd_lr(self.optimizer, self._params)
+        if into is not None and (lr is None or self._touched is not None):
+            raise ValueError("only a dense plain-SGD step writes into another buffer set")
         if lr is not None:
             if self._touched is not None:
                 self._sparse_step(updates, scale, lr)
@@ -695,7 +717,8 @@ class Coordinator:
                 with torch.no_grad():
                     for b, weights in enumerate(self.flat.weights):
                         add_sum_into(weights, [update[b] for update in updates],
-                                     scale / len(updates), -lr, self._scratch[b])
+                                     scale / len(updates), -lr, self._scratch[b],
+                                     out=into[b] if into is not None else None)
             return
         self._mean(updates, scale)
         with torch.no_grad():
@@ -779,6 +802,7 @@ class Coordinator:
             raise checkpoint.CheckpointError(
                 f"{path} was written by strategy {state['strategy']}, not {self.strategy.name}"
             )
+        self._own_master()
         self.flat.load(state["weights"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -812,6 +836,7 @@ class Coordinator:
         if not self._evals or self._evaluate is None:
             return
         final = tuple(w.clone() for w in self.flat.weights)
+        self._own_master()  # the final version may still be on its way to the workers
         try:
             for point in self._evals:
                 self.flat.load(point.weights)
@@ -850,7 +875,7 @@ class Coordinator:
 
     async def _publish_now(self) -> None:
         """Broadcast the current version: what changed since the last one published, where
-        that is little (top-k), or else the master weights, copied into a free snapshot."""
+        that is little (top-k), or else the master weights themselves (see `_take_snapshot`)."""
         assert self._server is not None
         self.metrics.broadcasts += 1
         old = self._snapshot
@@ -882,13 +907,30 @@ class Coordinator:
             self._take_snapshot()
 
     def _take_snapshot(self) -> _Snapshot:
-        """The current weights become the snapshot that Welcome, Pull and broadcasts send."""
-        old, self._snapshot = self._snapshot, _Snapshot(self.version, self._copy_weights())
+        """The current weights become the snapshot that Welcome, Pull and broadcasts send:
+        the master's own buffers (from now on not written in place: see `_own_master`),
+        or, for a relay, a copy."""
+        buffers = self.flat.weights if self._ALIAS else self._copy_weights()
+        old, self._snapshot = self._snapshot, _Snapshot(self.version, buffers)
         if self._touched is not None:
             self._touched.start(self.version)
-        if old is not None:
+        if old is not None and old.buffers is not self.flat.weights:
             self._pool.release(old.buffers, old.trackers)
         return self._snapshot
+
+    def _own_master(self) -> None:
+        """Before the master weights are written in place: if they are the published
+        snapshot, which sends may still read, move the master to a copy in a free set."""
+        if self._snapshot is not None and self._snapshot.buffers is self.flat.weights:
+            self.flat.rebind(self._copy_weights())
+
+    def _adopt(self, weights: tuple[torch.Tensor, ...]) -> None:
+        """Make `weights`, where a step wrote the next version, the master; the old master
+        goes back to the pool unless it is the snapshot (which gives it back when replaced)."""
+        old = self.flat.weights
+        self.flat.rebind(weights)
+        if self._snapshot is None or self._snapshot.buffers is not old:
+            self._pool.release(old, [])
 
     async def _refresh_snapshot(self) -> None:
         """Make the snapshot current where a broadcast is waiting (see `_publish`), so that

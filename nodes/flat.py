@@ -172,6 +172,18 @@ class FlatModel:
                     view.copy_(grad)
                 param.grad = view
 
+    def rebind(self, weights: tuple[torch.Tensor, ...]) -> None:
+        """Make `weights` (buffers of this layout, on the CPU) the model's weights: every
+        parameter becomes a view into them, without a copy. The old buffers are no longer
+        the model's (the coordinator publishes them, see nodes.coordinator._adopt)."""
+        if self.device.type != "cpu":
+            raise ValueError("rebind is for a model on the CPU, whose weights are sent as they are")
+        if [(w.dtype, w.numel()) for w in weights] != [(b.dtype, b.numel) for b in self.layout.buckets]:
+            raise ValueError("rebind needs one buffer per bucket of this layout")
+        for param, view in zip(self._params, self.layout.views(weights), strict=True):
+            param.data = view
+        self.weights = self.host_weights = weights
+
     def load(self, weights: Sequence[Received]) -> None:
         """Overwrite the weights with received buffers (one copy, straight from the frames)."""
         self.layout.check([(t.dtype, tuple(t.shape)) for t in weights])

@@ -53,6 +53,8 @@ class Relay(Coordinator):
     weights replace its initial ones when the relay joins.
     """
 
+    _ALIAS = False  # its upstream Link loads into the master's buffers: publish copies
+
     def __init__(
         self,
         *,

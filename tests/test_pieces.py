@@ -95,6 +95,19 @@ def test_tensors_cut_alike_are_summed_as_a_copy_then_adds_would_bit_for_bit(
     assert torch.equal(flat, want.mul_(0.25))
 
 
+def test_add_sum_into_another_buffer_leaves_flat_as_it_was_and_writes_the_same_bits() -> None:
+    torch.manual_seed(3)
+    weights, a, b = torch.randn(50), torch.randn(50), torch.randn(50)
+    tensors = [_pieces(a, [16, 32]), _pieces(b, [16, 32])]
+    in_place = weights.clone()
+    add_sum_into(in_place, tensors, 0.5, -0.03, torch.empty(16))
+    before, out = weights.clone(), torch.full((50,), 7.0)
+    add_sum_into(weights, tensors, 0.5, -0.03, torch.empty(16), out=out)
+    assert torch.equal(weights, before) and torch.equal(out, in_place)
+    with pytest.raises(ValueError, match="out of torch.float64"):
+        add_sum_into(weights, tensors, 0.5, -0.03, torch.empty(16), out=torch.empty(50, dtype=torch.float64))
+
+
 def test_a_narrower_dtype_adds_into_float32() -> None:
     flat = torch.zeros(6)
     half = torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5, 5.5], dtype=torch.bfloat16)
