@@ -141,13 +141,32 @@ class _Snapshot:
 
     version: int
     buffers: tuple[torch.Tensor, ...]
+    # One per send begun (a send under way is a _Pending): the pool that gets the buffers
+    # back reads this same list, so a send begun before the release still counts.
     trackers: list[Tracker | None] = field(default_factory=list)
-    sending: int = 0  # sends begun whose trackers are not in `trackers` yet
 
     @property
     def free(self) -> bool:
         """Whether nothing reads the buffers: they may be written in place."""
-        return not self.sending and all(t is None or t.done for t in self.trackers)
+        return all(t is None or t.done for t in self.trackers)
+
+
+class _Pending:
+    """A send of a snapshot under way: done once the send has returned and ZeroMQ has let
+    go of its frames (or it failed, and sent nothing)."""
+
+    __slots__ = ("_returned", "_tracker")
+
+    def __init__(self) -> None:
+        self._returned = False
+        self._tracker: Tracker | None = None
+
+    def returned(self, tracker: Tracker | None) -> None:
+        self._returned, self._tracker = True, tracker
+
+    @property
+    def done(self) -> bool:
+        return self._returned and (self._tracker is None or self._tracker.done)
 
 
 class Coordinator:
@@ -674,10 +693,17 @@ class Coordinator:
         into = self._pool.take() if self._ALIAS and lr is not None and self._touched is None else None
         if into is None:
             self._own_master()
-        if self._small:
-            self._step(updates, scale, into=into)
-        else:
-            await asyncio.to_thread(functools.partial(self._step, updates, scale, into=into))
+        try:
+            if self._small:
+                self._step(updates, scale, into=into)
+            else:
+                await asyncio.to_thread(functools.partial(self._step, updates, scale, into=into))
+        except Exception:
+            # The step failed and is over: nothing counts what it wrote. (Cancelled, the
+            # thread may still be writing: the set is let go of, not given back.)
+            if into is not None:
+                self._pool.release(into, [])
+            raise
         if into is not None:
             self._adopt(into)
 
@@ -910,11 +936,19 @@ class Coordinator:
         """The current weights become the snapshot that Welcome, Pull and broadcasts send:
         the master's own buffers (from now on not written in place: see `_own_master`),
         or, for a relay, a copy."""
+        old = self._snapshot
+        if old is not None and old.buffers is self.flat.weights:
+            # Already published, unchanged since (a version made without a step): the same
+            # buffers, with the sends that may still read them.
+            old.version = self.version
+            if self._touched is not None:
+                self._touched.start(self.version)
+            return old
         buffers = self.flat.weights if self._ALIAS else self._copy_weights()
-        old, self._snapshot = self._snapshot, _Snapshot(self.version, buffers)
+        self._snapshot = _Snapshot(self.version, buffers)
         if self._touched is not None:
             self._touched.start(self.version)
-        if old is not None and old.buffers is not self.flat.weights:
+        if old is not None:
             self._pool.release(old.buffers, old.trackers)
         return self._snapshot
 
@@ -1085,12 +1119,14 @@ class Coordinator:
 
 
 async def _tracked(snapshot: _Snapshot, send: Awaitable[Tracker | None]) -> Tracker | None:
-    """Await a send of the snapshot's buffers and keep its tracker; counted as `sending`
-    until then, so that the buffers are not written in place meanwhile."""
-    snapshot.sending += 1
+    """Await a send of the snapshot's buffers; in its trackers from the start (a _Pending),
+    so that neither a step nor the pool takes the buffers back meanwhile."""
+    pending = _Pending()
+    snapshot.trackers.append(pending)
     try:
         tracker = await send
-    finally:
-        snapshot.sending -= 1
-    snapshot.trackers.append(tracker)
+    except BaseException:
+        pending.returned(None)  # it sent nothing
+        raise
+    pending.returned(tracker)
     return tracker

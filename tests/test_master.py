@@ -90,3 +90,47 @@ def test_sets_whose_sends_are_done_are_reused_not_allocated_again() -> None:
 
     asyncio.run(steps())
     assert len(seen) <= 3  # the master, the snapshot before it, and one more at most
+
+
+def test_a_snapshot_taken_again_without_a_step_keeps_the_sends_that_read_it() -> None:
+    coordinator = Coordinator(
+        model=_model(), strategy=Sync(workers=1), config=CoordinatorConfig(batch_size=8, steps=10),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+    first = coordinator._take_snapshot()
+    sending = _Sending()
+    first.trackers.append(sending)
+    coordinator.version += 1  # a version made without a step (the weights did not change)
+    again = coordinator._take_snapshot()
+    assert again is first and again.version == 1 and sending in again.trackers
+    layout = coordinator.flat.layout
+    published = tuple(b.clone() for b in first.buffers)
+
+    async def step() -> None:
+        await coordinator._update([tuple(torch.ones(b.numel) for b in layout.buckets)], 1.0,
+                                  loss=1.0, samples=8)
+        coordinator.version += 1
+        coordinator._take_snapshot()  # the old one goes to the pool, its send still on
+        await coordinator._update([tuple(torch.ones(b.numel) for b in layout.buckets)], 1.0,
+                                  loss=1.0, samples=8)
+
+    asyncio.run(step())
+    assert all(torch.equal(a, b) for a, b in zip(first.buffers, published, strict=True))
+
+
+def test_a_send_under_way_keeps_its_snapshot_busy_until_it_returns_and_is_done() -> None:
+    from nodes.coordinator import _Snapshot, _tracked
+
+    async def scenario() -> None:
+        snapshot = _Snapshot(0, ())
+        returned: asyncio.Future[_Sending] = asyncio.get_running_loop().create_future()
+        send = asyncio.ensure_future(_tracked(snapshot, returned))
+        await asyncio.sleep(0)
+        assert not snapshot.free  # begun, not returned: the pool must not take it back
+        tracker = _Sending()
+        returned.set_result(tracker)
+        await send
+        assert not snapshot.free  # returned, ZeroMQ still reads the frames
+        tracker.done = True
+        assert snapshot.free
+
+    asyncio.run(scenario())
