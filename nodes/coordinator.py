@@ -937,25 +937,28 @@ class Coordinator:
         the master's own buffers (from now on not written in place: see `_own_master`),
         or, for a relay, a copy."""
         old = self._snapshot
-        if old is not None and old.buffers is self.flat.weights:
-            # Already published, unchanged since (a version made without a step): the same
-            # buffers, with the sends that may still read them.
+        if old is not None and self._published(self.flat.weights):
+            # Published already and unchanged since (a version made without a step): the
+            # same buffers, with the sends that may still read them.
             old.version = self.version
-            if self._touched is not None:
-                self._touched.start(self.version)
-            return old
-        buffers = self.flat.weights if self._ALIAS else self._copy_weights()
-        self._snapshot = _Snapshot(self.version, buffers)
+        else:
+            buffers = self.flat.weights if self._ALIAS else self._copy_weights()
+            self._snapshot = _Snapshot(self.version, buffers)
+            if old is not None:
+                self._pool.release(old.buffers, old.trackers)
         if self._touched is not None:
             self._touched.start(self.version)
-        if old is not None:
-            self._pool.release(old.buffers, old.trackers)
+        assert self._snapshot is not None  # made above, or kept
         return self._snapshot
+
+    def _published(self, buffers: tuple[torch.Tensor, ...]) -> bool:
+        """Whether `buffers` are the snapshot's: sends may read them, nothing may write them."""
+        return self._snapshot is not None and self._snapshot.buffers is buffers
 
     def _own_master(self) -> None:
         """Before the master weights are written in place: if they are the published
-        snapshot, which sends may still read, move the master to a copy in a free set."""
-        if self._snapshot is not None and self._snapshot.buffers is self.flat.weights:
+        snapshot, move the master to a copy in a free set."""
+        if self._published(self.flat.weights):
             self.flat.rebind(self._copy_weights())
 
     def _adopt(self, weights: tuple[torch.Tensor, ...]) -> None:
@@ -963,7 +966,7 @@ class Coordinator:
         goes back to the pool unless it is the snapshot (which gives it back when replaced)."""
         old = self.flat.weights
         self.flat.rebind(weights)
-        if self._snapshot is None or self._snapshot.buffers is not old:
+        if not self._published(old):
             self._pool.release(old, [])
 
     async def _refresh_snapshot(self) -> None:
