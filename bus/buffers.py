@@ -32,9 +32,14 @@ class Tracker(Protocol):
 class SendBuffers:
     """Reusable buffer sets; a set is free again once every send of it is done."""
 
-    def __init__(self, allocate: Callable[[], tuple[torch.Tensor, ...]], *, keep: int = 4) -> None:
+    def __init__(self, allocate: Callable[[], tuple[torch.Tensor, ...]], *, keep: int = 4,
+                 held: Callable[[tuple[torch.Tensor, ...]], bool] | None = None) -> None:
+        """`held`, if given, says whether someone other than a send still reads a released
+        set (a colocated worker computing on it: see nodes.handover); such a set stays out
+        of the pool until it is let go of too."""
         self._allocate = allocate
         self._keep = keep  # free sets kept for reuse; more in flight than that are let go
+        self._is_held = held
         self._free: list[tuple[torch.Tensor, ...]] = []
         self._busy: list[tuple[tuple[torch.Tensor, ...], list[Tracker | None]]] = []
 
@@ -48,10 +53,14 @@ class SendBuffers:
         # Keep the caller's list itself, not a copy: a send still being awaited may add to it.
         self._busy.append((buffers, trackers))
 
+    def held(self, buffers: tuple[torch.Tensor, ...]) -> bool:
+        """Whether someone other than a send reads `buffers` (see `held` above)."""
+        return self._is_held is not None and self._is_held(buffers)
+
     def _collect(self) -> None:
         still = []
         for buffers, trackers in self._busy:
-            if all(t is None or t.done for t in trackers):
+            if all(t is None or t.done for t in trackers) and not self.held(buffers):
                 if len(self._free) < self._keep:
                     self._free.append(buffers)
             else:

@@ -66,9 +66,12 @@ def whole(tensor: Received) -> torch.Tensor:
 
 
 def copy_into(flat: torch.Tensor, tensor: Received) -> None:
-    """flat[:] = tensor, where `flat` is 1-D with the tensor's number of elements."""
+    """flat[:] = tensor, where `flat` is 1-D with the tensor's number of elements. A part
+    that already lies where it would be copied to is left as it is (see nodes.handover)."""
     for offset, part in spans(tensor):
-        flat[offset : offset + part.numel()].copy_(part)
+        place = flat[offset : offset + part.numel()]
+        if place.data_ptr() != part.data_ptr():
+            place.copy_(part)
 
 
 def sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float = 1.0,

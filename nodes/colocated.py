@@ -4,7 +4,8 @@ The model's flat parameters are cut into N ranges (`bus.layout.Layout.shard`), a
 worker process runs, on one event loop, a `Coordinator` over its range (a `ShardModel`) and
 a `Worker` that pushes every shard its range and loads every shard's weights, as with any
 sharded parameter server. The worker reaches the shard beside it in-process (inproc over
-a shared `bus.transport.Hub`: no TCP, no copy), the others over TCP.
+a shared `bus.transport.Hub`: no TCP, no copy), the others over TCP; and its model computes
+on the buffers the shard made its range's newest version in (`nodes.handover`: no copy).
 
 What it buys: each process sends (N-1)/N of a model's gradient and (N-1)/N of its weights
 per step, and receives as much: the bytes of a ring all-reduce, where a central coordinator
@@ -27,9 +28,12 @@ from typing import Any
 
 from torch import nn
 
+from bus.buffers import SendBuffers
+from bus.layout import Layout
 from bus.transport import Hub
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import Coordinator, OptimizerFactory, Progress
+from nodes.handover import Handover
 from nodes.shards import ShardModel
 from nodes.worker import Data, Loss, Worker, WorkerReport
 from strategies.base import Strategy, Wait
@@ -77,9 +81,14 @@ class Colocated:
         self._model, self._data, self._loss, self._optimizer = model, data, loss, optimizer
         self.hub = Hub()
         try:
+            shard = ShardModel(model, index, count)
+            # The shard makes its versions in ranges of whole-model sets that our worker's
+            # model then computes on, without copying the range (see nodes.handover).
+            self.handover = Handover(Layout.of(model.named_parameters()), shard.shard, index)
             self.coordinator = Coordinator(
-                model=ShardModel(model, index, count), strategy=strategy, config=config,
+                model=shard, strategy=strategy, config=config,
                 optimizer=optimizer, lr=lr, on_step=on_step, hub=self.hub,
+                pool=SendBuffers(self.handover.allocate, held=self.handover.held),
                 # The whole model is the worker's, and it holds the final weights by then.
                 evaluate=(lambda _: evaluate(model)) if evaluate is not None else None,
             )
@@ -105,7 +114,7 @@ class Colocated:
             endpoints[self.index] = self.coordinator.inproc_endpoint
             self.worker = Worker(model=self._model, data=self._data, loss=self._loss,
                                  config=replace(worker, connect=endpoints, rank=self.index),
-                                 optimizer=self._optimizer, hub=self.hub)
+                                 optimizer=self._optimizer, hub=self.hub, handover=self.handover)
             training = asyncio.create_task(self.worker.run())
             # Evaluated once our worker is done: it then holds every shard's final weights.
             trained = asyncio.create_task(_after(training))

@@ -186,9 +186,12 @@ class Coordinator:
         evaluate: Evaluate | None = None,
         on_step: Callable[[Progress], None] | None = None,
         hub: Hub | None = None,
+        pool: SendBuffers | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
-        (by the worker beside a colocated shard: see nodes.colocated)."""
+        (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
+        sets versions are made and published in (by default its own; a colocated shard's
+        are shared with its worker: nodes.handover)."""
         if isinstance(model, ShardModel) and config.eval_every_s:
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
@@ -238,7 +241,12 @@ class Coordinator:
         self._target_samples: int | None = None  # from --epochs, fixed when training starts
         self._evals: list[_EvalPoint] = []
         self._next_eval_s = 0.0
-        self._pool = SendBuffers(self.flat.layout.allocate)
+        if pool is None:
+            self._pool = SendBuffers(self.flat.layout.allocate)
+        else:
+            # Every version is made in the given pool's sets, the first one included.
+            self._pool = pool
+            self.flat.rebind(self._copy_weights())
         self._snapshot: _Snapshot | None = None
         self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
         self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
@@ -923,8 +931,9 @@ class Coordinator:
 
     def _advance_snapshot(self, snapshot: _Snapshot, changes: tuple[torch.Tensor, ...]) -> None:
         """Make the snapshot the current version: written in place with the changes where
-        no send reads it, or else a fresh copy (the old one goes back to the pool)."""
-        if snapshot.free:
+        nothing reads it (no send, no colocated worker computing on it), or else a fresh
+        copy (the old one goes back to the pool)."""
+        if snapshot.free and not self._pool.held(snapshot.buffers):
             changed.apply(snapshot.buffers, changes)
             snapshot.version = self.version
             if self._touched is not None:

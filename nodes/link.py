@@ -224,6 +224,12 @@ class Link:
                 copy_into(dst, src)
         self.version = weights.version
 
+    def rebind(self, weights: tuple[torch.Tensor, ...]) -> None:
+        """This shard's views of the worker's flat weights, where the model now has them
+        (a colocated worker moves between weight sets: nodes.handover)."""
+        self.layout.check([(t.dtype, tuple(t.shape)) for t in weights])
+        self._weights = weights
+
     def load_latest(self) -> None:
         newer = self.latest()
         if newer is not None:

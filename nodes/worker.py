@@ -37,6 +37,7 @@ from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Welcome
 from bus.transport import Hub
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
+from nodes.handover import Handover
 from nodes.link import Link, Newer, Stopped
 from nodes.outbox import Outbox
 from strategies.base import PushKind, Wait
@@ -77,9 +78,13 @@ class Worker:
         config: WorkerConfig,
         optimizer: OptimizerFactory | None = None,
         hub: Hub | None = None,
+        handover: Handover | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, needed for an inproc:// endpoint
-        (the coordinator shard this worker hosts: see nodes.colocated)."""
+        (the coordinator shard this worker hosts: see nodes.colocated). `handover`: the
+        weight sets that shard makes its versions in, for the model to compute on without
+        copying its range (nodes.handover); used on the CPU, when the worker pushes
+        gradients."""
         self.config = config
         self.device = torch.device(config.device)
         self.flat = FlatModel(model, self.device)  # moves the model to the device
@@ -110,6 +115,9 @@ class Worker:
         self._forward: tuple[float, int] = (math.nan, 0)  # the last forward's loss, samples
         self._on_range: Callable[[int], None] | None = None  # set while the last backward runs
         self.flat.watch([shard.spans for shard in self._shards], self._range_done)
+        self._handover = handover if self.device.type == "cpu" else None
+        self._sharing = False  # this session binds the model to the handover's sets
+        self._own = self.flat.weights  # the model's private buffers
 
     @property
     def version(self) -> int:
@@ -124,6 +132,7 @@ class Worker:
         except Stopped:
             # Every worker ends holding the final model (as every rank of DDP does).
             changed = self._optimizer is not None  # local steps since the last load
+            self._bind(self._own)  # loaded below in place: off the shard's sets first
             await asyncio.gather(*(link.load_final(changed=changed) for link in self.links))
             await self._leave("stopped", "")
         except asyncio.CancelledError:
@@ -191,6 +200,8 @@ class Worker:
         """Join every link: the first decides our rank (on a rejoin: our old one, so that
         our data shard stays ours; any, if another worker has it now), the other shards
         are asked for that rank. Returns the first shard's Welcome."""
+        self._sharing = False
+        self._bind(self._own)  # the Welcome's weights are loaded in place: see nodes.handover
         first, *others = self.links
         # A rank asked for by the user is theirs to fix if taken; a rank we had before, not.
         welcome = await first.join(self.rank, within_s, what, any_rank=self.rank != self.config.rank)
@@ -219,6 +230,8 @@ class Worker:
             await asyncio.to_thread(self._batches.skip, welcome.position)
             self._shard = shard
         weights_pushed = PushKind(welcome.push) is PushKind.WEIGHTS
+        # A worker that steps its own weights may not compute on the shard's sets.
+        self._sharing = self._handover is not None and not weights_pushed
         if weights_pushed and self._optimizer is None:
             make = self._make_optimizer or (lambda ps: torch.optim.SGD(ps, lr=welcome.lr))
             # In a thread: a first optimizer may import for seconds (torch._dynamo), and the
@@ -362,6 +375,8 @@ class Worker:
         (see nodes.outbox: converted or sparsified, copied to the host on a GPU) as soon as backward has
         finished it, and `announce`d, so that it can go out while backward goes on. Runs in
         a thread: touches only the model. Returns the mean loss and the samples seen."""
+        if self._sharing:
+            self._follow_handover(latest)
         for i, link in enumerate(self.links):
             weights, latest[i] = latest[i], None  # hold no frames once loaded (see below)
             if weights is not None:
@@ -409,6 +424,38 @@ class Worker:
             for i in range(len(self._shards)):  # those backward did not report (no hook ran)
                 finish(i)
         return total_loss / local_steps, samples
+
+    def _follow_handover(self, latest: list[Newer | None]) -> None:
+        """Before loading `latest`, beside a colocated shard: bind the model to the set
+        the shard made its newest version in (its range is then in place), or back to
+        its own buffers for anything else from that shard (see nodes.handover)."""
+        assert self._handover is not None
+        local = latest[self._handover.index]
+        if local is None:
+            return  # nothing new from the shard beside us: its range stays where it is
+        found = (self._handover.holding(local.weights.tensors)
+                 if local.weights is not None and not local.changes else None)
+        self._bind(found if found is not None else self._own, latest)
+
+    def _bind(self, weights: tuple[torch.Tensor, ...],
+              latest: list[Newer | None] | None = None) -> None:
+        """Make `weights` (the model's own buffers, or a handover set) the model's, carrying
+        over every range that `latest` (nothing, if not given) does not load whole."""
+        current = self.flat.weights
+        if weights is current:
+            return
+        assert self._handover is not None  # only the handover gives the model other sets
+        with torch.no_grad():
+            for i, shard in enumerate(self._shards):
+                newer = latest[i] if latest is not None else None
+                if newer is None or newer.weights is None:
+                    for dst, src in zip(shard.take(weights), shard.take(current), strict=True):
+                        dst.copy_(src)
+        self.flat.rebind(weights)
+        for link, shard in zip(self.links, self._shards, strict=True):
+            link.rebind(shard.take(weights))
+        # Last: the shard may reuse the set we leave as soon as this says we left it.
+        self._handover.bind(None if weights is self._own else weights)
 
     def _forget_loaded(self) -> None:
         for link in self.links:

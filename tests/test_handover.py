@@ -1,0 +1,182 @@
+"""The weight sets a colocated shard shares with its worker (nodes.handover).
+
+Unit: a set's range is found from tensors over its own memory (whole or in pieces) and from
+nothing else; the pool keeps a set the worker is bound to out of reuse; `copy_into` leaves a
+part that already lies in place. In one event loop over real ZeroMQ: colocated sync computes
+on the shard's sets (observed while it trains) and still steps exactly as one coordinator,
+with plain SGD (the step writes into a spare set) and with momentum (a copy, stepped in
+place); periodic averaging (the worker steps its own weights) never binds to them; bf16
+pushes, top-k broadcasts (Changes, loaded into the worker's own buffers) and backup workers
+train to the same model on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+from equivalence import BATCH, LR, digits, max_difference, sgd
+from torch import nn
+
+from bus.buffers import SendBuffers
+from bus.layout import Layout
+from bus.pieces import Pieces, copy_into
+from nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from nodes.coordinator import Progress
+from nodes.handover import Handover
+from strategies import PeriodicAveraging, Strategy, Sync
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _handover(index: int = 1) -> Handover:
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    layout = Layout.of(model.named_parameters())
+    return Handover(layout, layout.shard(index, 2), index)
+
+
+def test_a_range_is_found_from_its_own_memory_whole_or_in_pieces() -> None:
+    handover = _handover()
+    part = handover.allocate()
+    whole = handover.holding(part)
+    assert whole is not None and [w.numel() for w in whole] == [b.numel for b in handover.layout.buckets]
+    assert handover.shard.take(whole)[0].data_ptr() == part[0].data_ptr()
+    (flat,) = part
+    pieces = Pieces([flat[:7], flat[7:]], tuple(flat.shape))  # as frames of a chunked send
+    assert handover.holding([pieces]) is whole
+
+
+def test_nothing_else_is_taken_for_a_range() -> None:
+    handover = _handover()
+    (flat,) = handover.allocate()
+    assert handover.holding([flat.clone()]) is None  # a copy: a tcp frame, a bf16 broadcast
+    assert handover.holding([Pieces([flat[:7], flat[8:].clone(), flat[:1]], tuple(flat.shape))]) is None
+    assert handover.holding([]) is None
+    other = _handover()  # another shard's sets
+    assert other.holding([flat]) is None
+
+
+def test_the_pool_keeps_the_set_the_worker_is_bound_to() -> None:
+    handover = _handover()
+    pool = SendBuffers(handover.allocate, held=handover.held)
+    first = pool.take()
+    whole = handover.holding(first)
+    handover.bind(whole)
+    pool.release(first, [])
+    second = pool.take()
+    assert second[0].data_ptr() != first[0].data_ptr() and pool.held(first)
+    handover.bind(None)  # the worker moved on
+    pool.release(second, [])
+    assert {pool.take()[0].data_ptr(), pool.take()[0].data_ptr()} == {
+        first[0].data_ptr(), second[0].data_ptr()}
+
+
+def test_a_set_the_pool_let_go_of_is_forgotten() -> None:
+    handover = _handover()
+    part = handover.allocate()
+    pointer = part[0].data_ptr()
+    del part
+    for _ in range(12):  # past what it remembers
+        handover.allocate()
+    assert all(pointer not in key for key in handover._sets)
+
+
+def test_copy_into_leaves_a_part_already_in_place() -> None:
+    flat = torch.arange(10.0)
+    copy_into(flat, Pieces([flat[:4], torch.full((6,), -1.0)], (10,)))
+    assert flat.tolist() == [0.0, 1.0, 2.0, 3.0] + [-1.0] * 6
+
+
+def initial() -> nn.Module:
+    """A digits model wide enough (300 KB) that a third of it goes in-process by reference:
+    pyzmq copies frames under 64 KB (zmq.COPY_THRESHOLD), which then cannot be shared."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(digits.NUM_FEATURES, 1024), nn.ReLU(), nn.Linear(1024, digits.NUM_CLASSES))
+
+
+def plain_sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR)
+
+
+Optimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _central(strategy: Strategy, optimizer: Optimizer, steps: int) -> nn.Module:
+    async def train() -> nn.Module:
+        coordinator = Coordinator(model=initial(), strategy=strategy, optimizer=optimizer,
+                                  config=CoordinatorConfig(batch_size=BATCH, steps=steps))
+        endpoint = coordinator.bind()
+        workers = [Worker(model=initial(), data=digits.data, loss=digits.loss, optimizer=optimizer,
+                          config=WorkerConfig(connect=endpoint, rank=r)) for r in range(strategy.workers)]
+        await asyncio.gather(coordinator.run(), *(w.run() for w in workers))
+        return coordinator.model
+
+    return asyncio.run(train())
+
+
+def _colocated(make: Callable[[], Strategy], optimizer: Optimizer, steps: int, *, compress: str = ""
+               ) -> tuple[list[Colocated], list[bool]]:
+    """The colocated run's nodes, and, for each version made, whether each worker's model
+    was then bound to a set of the shard beside it, and its parameters in that set."""
+    bound: list[bool] = []
+
+    def look(node: int, _: Progress) -> None:
+        worker, handover = nodes[node].worker, nodes[node].handover
+        assert worker is not None
+        whole = handover.bound
+        inside = whole is not None and worker.flat.weights is whole and all(
+            p.untyped_storage().data_ptr() == whole[0].untyped_storage().data_ptr()
+            for p in worker.flat.module.parameters())
+        bound.append(inside)
+
+    async def train() -> list[Colocated]:
+        count = make().workers
+        made = [Colocated(index=i, count=count, model=initial(), data=digits.data, loss=digits.loss,
+                          strategy=make(), optimizer=optimizer, on_step=lambda p, i=i: look(i, p),
+                          config=CoordinatorConfig(batch_size=BATCH, steps=steps, compress=compress))
+                for i in range(count)]
+        nodes.extend(made)
+        endpoints = [n.bind() for n in made]
+        await asyncio.gather(*(n.run(WorkerConfig(connect=endpoints)) for n in made))
+        return made
+
+    nodes: list[Colocated] = []
+    return asyncio.run(train()), bound
+
+
+@pytest.mark.parametrize("optimizer", [plain_sgd, sgd], ids=["plain", "momentum"])
+def test_sync_computes_on_the_shards_sets_and_steps_as_one_coordinator(optimizer: Optimizer) -> None:
+    central = _central(Sync(workers=2), optimizer, steps=12)
+    nodes, bound = _colocated(lambda: Sync(workers=2), optimizer, steps=12)
+    assert sum(bound) >= len(bound) - 4  # all but the first version or so of each shard
+    for node in nodes:
+        assert node.worker is not None and node.worker.version == 12
+        assert node.handover.bound is None  # back on its own buffers to load the final weights
+        assert max_difference(central, node.worker.flat.module) <= 1e-5
+    assert max_difference(central, initial()) > 1e-3
+
+
+def test_a_worker_that_steps_its_own_weights_never_binds_to_the_shards_sets() -> None:
+    central = _central(PeriodicAveraging(workers=2, average_every=2), sgd, steps=4)
+    nodes, bound = _colocated(lambda: PeriodicAveraging(workers=2, average_every=2), sgd, steps=4)
+    assert bound and not any(bound)
+    assert all(max_difference(central, n.worker.flat.module) <= 1e-5 for n in nodes)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("compress", ["bf16", "topk:0.05"])
+def test_compressed_broadcasts_train_the_same_model_on_every_worker(compress: str) -> None:
+    nodes, bound = _colocated(lambda: Sync(workers=2), plain_sgd, steps=12, compress=compress)
+    models = [n.worker.flat.module for n in nodes]  # type: ignore[union-attr]
+    assert max_difference(models[0], models[1]) == 0.0
+    assert max_difference(models[0], initial()) > 1e-4
+    if compress == "bf16":
+        assert any(bound)  # only the pushes are narrowed: the weights go as they are
+
+
+def test_backup_workers_train_the_same_model_on_every_worker() -> None:
+    nodes, bound = _colocated(lambda: Sync(workers=3, backups=1), plain_sgd, steps=15)
+    models = [n.worker.flat.module for n in nodes]  # type: ignore[union-attr]
+    assert all(max_difference(models[0], m) == 0.0 for m in models[1:])
+    assert any(bound)
