@@ -4,7 +4,8 @@ Frame 0 is a msgpack header: {"p": protocol, "k": kind, "s": sender, "r": reques
 "v": version, "t": [[dtype, shape, nbytes, chunk], ...], "f": {the kind's own fields}}.
 Then come the raw bytes of the message's flat tensors, in header order, each tensor cut into
 frames of `chunk` bytes (the last one shorter): ceil(nbytes / chunk) frames, at least one.
-ZeroMQ moves large tensors fastest as frames of about a megabyte (see `bus.pieces`).
+ZeroMQ moves large tensors fastest as frames of about a megabyte (see `bus.pieces`); the
+sender evens the chunks out where the last one would be under 64 KiB (`_chunk`).
 
 `decode` checks everything (sizes, types, kind, dtypes, byte counts, the model's layout)
 before it builds a single tensor, and raises a `WireError` subclass naming what is wrong.
@@ -64,6 +65,9 @@ MAX_TENSORS: Final = 64
 CHUNK_BYTES: Final = 1 << 20
 # A peer may cut finer, but not so fine that a message becomes millions of frames.
 MIN_CHUNK_BYTES: Final = 4096
+# pyzmq copies a frame smaller than this (zmq.COPY_THRESHOLD) rather than send it by
+# reference: where a tensor's last chunk would be that small, its chunks are evened out.
+SMALL_FRAME: Final = 1 << 16
 MAX_FRAMES: Final = 1 << 16
 MAX_DIMS: Final = 8
 MAX_STRING: Final = 4096
@@ -87,8 +91,7 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES) -> list[Buffer |
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("tensors on the wire must be contiguous CPU tensors")
         nbytes = tensor.numel() * tensor.element_size()
-        # Whole elements in every chunk, so that each frame is a tensor of its own.
-        chunk = max(chunk_bytes // tensor.element_size(), 1) * tensor.element_size()
+        chunk = _chunk(nbytes, chunk_bytes, tensor.element_size())
         specs.append([name, list(tensor.shape), nbytes, chunk])
         if not nbytes:
             frames.append(b"")
@@ -107,6 +110,18 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES) -> list[Buffer |
     }
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
+
+
+def _chunk(nbytes: int, chunk_bytes: int, itemsize: int) -> int:
+    """The chunk of a tensor of `nbytes`: `chunk_bytes` in whole elements, so that each
+    frame is a tensor of its own; or, where the last frame would be copied for its small
+    size (a colocated worker computes on its shard's frames in place: nodes.handover),
+    as even a cut into as many frames."""
+    chunk = max(chunk_bytes // itemsize, 1) * itemsize
+    if chunk >= SMALL_FRAME and 0 < nbytes % chunk < SMALL_FRAME and nbytes > chunk:
+        frames = -(-nbytes // chunk)
+        chunk = -(-nbytes // (frames * itemsize)) * itemsize
+    return chunk
 
 
 def decode(

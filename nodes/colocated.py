@@ -36,7 +36,7 @@ from nodes.coordinator import Coordinator, OptimizerFactory, Progress
 from nodes.handover import Handover
 from nodes.shards import ShardModel
 from nodes.worker import Data, Loss, Worker, WorkerReport
-from strategies.base import Strategy, Wait
+from strategies.base import PushKind, Strategy, Wait
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
 
@@ -82,13 +82,16 @@ class Colocated:
         self.hub = Hub()
         try:
             shard = ShardModel(model, index, count)
-            # The shard makes its versions in ranges of whole-model sets that our worker's
-            # model then computes on, without copying the range (see nodes.handover).
-            self.handover = Handover(Layout.of(model.named_parameters()), shard.shard, index)
+            # Where the worker pushes gradients (it never writes its weights), the shard
+            # makes its versions in ranges of whole-model sets that the worker's model then
+            # computes on, without copying the range (see nodes.handover).
+            self.handover = (Handover(Layout.of(model.named_parameters()), shard.shard, index)
+                             if strategy.rhythm.push is PushKind.GRADIENT else None)
             self.coordinator = Coordinator(
                 model=shard, strategy=strategy, config=config,
                 optimizer=optimizer, lr=lr, on_step=on_step, hub=self.hub,
-                pool=SendBuffers(self.handover.allocate, held=self.handover.held),
+                pool=(SendBuffers(self.handover.allocate, held=self.handover.held)
+                      if self.handover is not None else None),
                 # The whole model is the worker's, and it holds the final weights by then.
                 evaluate=(lambda _: evaluate(model)) if evaluate is not None else None,
             )

@@ -803,7 +803,10 @@ class Coordinator:
             "layout": self.flat.layout.digest,
             "strategy": self.strategy.name,
             "strategy_state": self.strategy.state(),
-            "weights": list(self.flat.weights),
+            # (Copied where a buffer is a range of a larger one, a colocated shard's: torch
+            # saves a view's whole storage.)
+            "weights": [w if w.untyped_storage().nbytes() == w.numel() * w.element_size()
+                        else w.clone() for w in self.flat.weights],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "samples": self.metrics.samples,
             "target_samples": self._target_samples,

@@ -24,7 +24,13 @@ Who may write what, and when (the invariant this module keeps):
   model back to its own private buffers.
 
 So a worker that writes its own weights (a local optimizer: periodic averaging) does not
-take part, nor does a model on a GPU (its weights are not the frames' memory).
+take part (nodes.colocated then gives its shard no handover), nor does a model on a GPU
+(its weights are not the frames' memory; the shard's sets are still whole-model sets in
+host memory, two or three of them). A range under 64 KiB goes in-process as a copy (pyzmq
+copies small frames; bus.codec evens out chunks so that no larger range ends in one), and
+is then loaded as before.
+
+What it costs: each set of the shard's pool is the whole model, not its range.
 """
 
 from __future__ import annotations
@@ -36,8 +42,6 @@ import torch
 
 from bus.layout import Layout, Shard
 from bus.pieces import Received, spans
-
-_KEEP = 8  # sets remembered; a pool holds two or three (in a step, published, bound)
 
 
 class Handover:
@@ -85,13 +89,14 @@ class Handover:
         """The worker's model is bound to `whole` now (None: to its own private buffers)."""
         self._bound_key = _key(tuple(self.shard.take(whole))) if whole is not None else None
         self.bound = whole
+        self._forget_unused()
 
     def _forget_unused(self) -> None:
-        if len(self._sets) < _KEEP:
-            return
+        """Let go of the sets the pool let go of (called on the loop and on the worker's
+        compute thread: each step of it is atomic under the GIL)."""
         for key, (first, _) in list(self._sets.items()):
             if first() is None and key != self._bound_key:
-                del self._sets[key]
+                self._sets.pop(key, None)
 
 
 def _key(part: Sequence[torch.Tensor]) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -212,7 +212,9 @@ class Worker:
             for link, other in zip(others, welcomes, strict=True):
                 _check_same_run(welcome, other, first.endpoint, link.endpoint)
         log.info("worker %d joined at version %d (%s)", self.rank, self.version, welcome.strategy)
-        return welcome
+        # Loaded by now: kept for the session without its frames, which may be the sender's
+        # own memory (an in-process shard's snapshot, which it may not reuse while held).
+        return replace(welcome, tensors=())
 
     # Training ------------------------------------------------------------------------------
 

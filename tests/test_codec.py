@@ -25,6 +25,7 @@ from bus.codec import (
     MAX_STRING,
     MAX_TENSORS,
     MIN_CHUNK_BYTES,
+    SMALL_FRAME,
     decode,
     encode,
 )
@@ -899,6 +900,17 @@ def test_a_large_tensor_travels_in_chunks_and_arrives_in_pieces():
     assert (big.shape, big.dtype, big.numel()) == ((5000,), torch.float32, 5000)
     assert torch.equal(whole(big), torch.arange(5000, dtype=torch.float32))
     assert isinstance(small, torch.Tensor) and torch.equal(small, torch.arange(3))
+
+
+@pytest.mark.parametrize("n", [CHUNK_BYTES // 4 + 1, 5 * CHUNK_BYTES // 4 + 3000])
+def test_no_last_chunk_is_left_small_enough_for_pyzmq_to_copy(n):
+    # pyzmq copies frames under 64 KiB: a colocated worker could not compute on them in place.
+    tensor = torch.arange(n, dtype=torch.float32)
+    frames = encode(Weights(tensors=(tensor,)))
+    sizes = [memoryview(f).nbytes for f in frames[1:]]
+    assert sum(sizes) == 4 * n and len(sizes) == -(-4 * n // CHUNK_BYTES)
+    assert min(sizes) >= SMALL_FRAME and max(sizes) <= CHUNK_BYTES
+    assert torch.equal(whole(decode(received(frames)).tensors[0]), tensor)
 
 
 def test_chunks_hold_whole_elements_and_a_shaped_tensor_keeps_its_shape():

@@ -26,6 +26,7 @@ from bus.pieces import Pieces, copy_into
 from nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from nodes.coordinator import Progress
 from nodes.handover import Handover
+from nodes.shards import ShardModel, assemble
 from strategies import PeriodicAveraging, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
@@ -49,13 +50,14 @@ def test_a_range_is_found_from_its_own_memory_whole_or_in_pieces() -> None:
 
 
 def test_nothing_else_is_taken_for_a_range() -> None:
-    handover = _handover()
+    handover, other = _handover(), _handover()  # another shard's sets, alike
     (flat,) = handover.allocate()
+    (elsewhere,) = other.allocate()
     assert handover.holding([flat.clone()]) is None  # a copy: a tcp frame, a bf16 broadcast
     assert handover.holding([Pieces([flat[:7], flat[8:].clone(), flat[:1]], tuple(flat.shape))]) is None
     assert handover.holding([]) is None
-    other = _handover()  # another shard's sets
-    assert other.holding([flat]) is None
+    assert other.holding([flat]) is None and handover.holding([elsewhere]) is None
+    assert other.holding([elsewhere]) is not None
 
 
 def test_the_pool_keeps_the_set_the_worker_is_bound_to() -> None:
@@ -73,14 +75,16 @@ def test_the_pool_keeps_the_set_the_worker_is_bound_to() -> None:
         first[0].data_ptr(), second[0].data_ptr()}
 
 
-def test_a_set_the_pool_let_go_of_is_forgotten() -> None:
+def test_a_set_the_pool_let_go_of_is_forgotten_unless_bound() -> None:
     handover = _handover()
-    part = handover.allocate()
-    pointer = part[0].data_ptr()
-    del part
-    for _ in range(12):  # past what it remembers
-        handover.allocate()
-    assert all(pointer not in key for key in handover._sets)
+    kept, dropped, bound = handover.allocate(), handover.allocate(), handover.allocate()
+    handover.bind(handover.holding(bound))
+    del dropped, bound  # the pool let go of them; the worker still computes on one
+    new = handover.allocate()
+    assert len(handover._sets) == 3  # kept, bound, the new one
+    assert handover.holding(kept) is not None
+    handover.bind(None)
+    assert len(handover._sets) == 2 and handover.holding(new) is not None
 
 
 def test_copy_into_leaves_a_part_already_in_place() -> None:
@@ -125,7 +129,7 @@ def _colocated(make: Callable[[], Strategy], optimizer: Optimizer, steps: int, *
     def look(node: int, _: Progress) -> None:
         worker, handover = nodes[node].worker, nodes[node].handover
         assert worker is not None
-        whole = handover.bound
+        whole = handover.bound if handover is not None else None
         inside = whole is not None and worker.flat.weights is whole and all(
             p.untyped_storage().data_ptr() == whole[0].untyped_storage().data_ptr()
             for p in worker.flat.module.parameters())
@@ -153,7 +157,8 @@ def test_sync_computes_on_the_shards_sets_and_steps_as_one_coordinator(optimizer
     assert sum(bound) >= len(bound) - 4  # all but the first version or so of each shard
     for node in nodes:
         assert node.worker is not None and node.worker.version == 12
-        assert node.handover.bound is None  # back on its own buffers to load the final weights
+        assert node.handover is not None and node.handover.bound is None  # back on its own
+        assert len(node.handover._sets) <= 4  # made for the first versions, then reused
         assert max_difference(central, node.worker.flat.module) <= 1e-5
     assert max_difference(central, initial()) > 1e-3
 
@@ -161,18 +166,52 @@ def test_sync_computes_on_the_shards_sets_and_steps_as_one_coordinator(optimizer
 def test_a_worker_that_steps_its_own_weights_never_binds_to_the_shards_sets() -> None:
     central = _central(PeriodicAveraging(workers=2, average_every=2), sgd, steps=4)
     nodes, bound = _colocated(lambda: PeriodicAveraging(workers=2, average_every=2), sgd, steps=4)
-    assert bound and not any(bound)
+    assert bound and not any(bound) and all(n.handover is None for n in nodes)
     assert all(max_difference(central, n.worker.flat.module) <= 1e-5 for n in nodes)  # type: ignore[union-attr]
 
 
+def _sharded(strategy: Callable[[], Strategy], optimizer: Optimizer, steps: int, compress: str
+             ) -> nn.Module:
+    """The same run on shards in processes of their own (here: not beside the workers)."""
+
+    async def train() -> nn.Module:
+        count = strategy().workers
+        shards = [ShardModel(initial(), i, count) for i in range(count)]
+        coordinators = [Coordinator(model=m, strategy=strategy(), optimizer=optimizer,
+                                    config=CoordinatorConfig(batch_size=BATCH, steps=steps,
+                                                             compress=compress))
+                        for m in shards]
+        endpoints = [c.bind() for c in coordinators]
+        workers = [Worker(model=initial(), data=digits.data, loss=digits.loss, optimizer=optimizer,
+                          config=WorkerConfig(connect=endpoints, rank=r)) for r in range(count)]
+        await asyncio.gather(*(c.run() for c in coordinators), *(w.run() for w in workers))
+        return assemble(initial(), shards)
+
+    return asyncio.run(train())
+
+
 @pytest.mark.parametrize("compress", ["bf16", "topk:0.05"])
-def test_compressed_broadcasts_train_the_same_model_on_every_worker(compress: str) -> None:
+def test_compressed_runs_step_as_shards_apart_do(compress: str) -> None:
+    apart = _sharded(lambda: Sync(workers=2), plain_sgd, 12, compress)
     nodes, bound = _colocated(lambda: Sync(workers=2), plain_sgd, steps=12, compress=compress)
-    models = [n.worker.flat.module for n in nodes]  # type: ignore[union-attr]
-    assert max_difference(models[0], models[1]) == 0.0
-    assert max_difference(models[0], initial()) > 1e-4
+    for node in nodes:
+        assert node.worker is not None
+        assert max_difference(apart, node.worker.flat.module) <= 1e-6
+    assert max_difference(apart, initial()) > 1e-4
     if compress == "bf16":
         assert any(bound)  # only the pushes are narrowed: the weights go as they are
+
+
+def test_a_colocated_checkpoint_holds_its_shards_range_only() -> None:
+    node = Colocated(index=1, count=2, model=initial(), data=digits.data, loss=digits.loss,
+                     strategy=Sync(workers=2), optimizer=plain_sgd,
+                     config=CoordinatorConfig(batch_size=BATCH, steps=1))
+    try:
+        assert node.handover is not None and node.handover.holding(node.coordinator.flat.weights)
+        (weights,) = node.coordinator.checkpoint_state()["weights"]
+        assert weights.untyped_storage().nbytes() == weights.numel() * 4 < node.handover.layout.nbytes
+    finally:
+        node.hub.close()
 
 
 def test_backup_workers_train_the_same_model_on_every_worker() -> None:
