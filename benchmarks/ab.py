@@ -1,9 +1,9 @@
 """This checkout against another commit, side by side: did a change make training faster?
 
 Checks REV out into a temporary git worktree and runs the same cases from both trees,
-alternating within each round (old, new, old, new...), so that the machine's noise falls
-on both alike; each case's ratio is taken within a round. The cases, on
-`benchmarks/mlp.py`, 2 workers, one torch thread a process:
+alternating within each round (old then new, then new then old in the next round), so
+that the machine's noise falls on both alike; each case's ratio is taken within a round.
+The cases, on `benchmarks/mlp.py`, 2 workers, one torch thread a process:
 
 - async, batch 1, 1M parameters: updates per second (part (c)'s tensorbus case);
 - sync with colocated shards, batch 64, 1M and 10M parameters: median ms per version;
@@ -11,8 +11,9 @@ on both alike; each case's ratio is taken within a round. The cases, on
   sockets (its trace's apply and broadcast spans: `steps.shard_ms`).
 
     python benchmarks/ab.py REV [--rounds 3]      # about 90 s a round
+    python benchmarks/ab.py REV --rounds 8 --only "sync colocated, 10M"   # 40 s a round
 
-Writes benchmarks/results/ab-REV.md and .json.
+Writes benchmarks/results/ab-REV.md and .json (with --only, ab-REV-CASE.md and .json).
 """
 
 from __future__ import annotations
@@ -50,36 +51,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("rev", help="the commit to compare with (the old side)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="only the cases whose name starts so "
+                        "('sync colocated, 10M', 'async', ...); the file is then named after it")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    cases = {c: m for c, m in CASES.items() if c.startswith(args.only)}
+    if not cases:
+        parser.error(f"--only {args.only!r} names none of: {', '.join(CASES)}")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
                           capture_output=True, text=True, timeout=GIT_S).stdout.strip()
-    figures: dict[str, dict[str, list[float]]] = {c: {"old": [], "new": []} for c in CASES}
+    figures: dict[str, dict[str, list[float]]] = {c: {"old": [], "new": []} for c in cases}
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old), args.rev], cwd=ROOT,
                        check=True, timeout=GIT_S)
         try:
             for r in range(args.rounds):
-                for case, (measure, unit) in CASES.items():
-                    for side, tree in (("old", old), ("new", ROOT)):
+                for case, (measure, unit) in cases.items():
+                    # Which goes first alternates: a slow start or a warm cache falls on both.
+                    sides = (("old", old), ("new", ROOT))
+                    for side, tree in sides if r % 2 == 0 else sides[::-1]:
                         figures[case][side].append(measure(tree))
                         print(f"round {r + 1}/{args.rounds} {case} {side}: "
                               f"{figures[case][side][-1]:.2f} {unit}", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT,
                            check=False, timeout=GIT_S)
-    lines = [(f"`python benchmarks/ab.py {args.rev} --rounds {args.rounds}` (new: this checkout, "
-              f"{head} and what is not committed; old: {args.rev})"), "",
-             "| case | old, median | new, median | new / old, each round | unit |",
-             "|---|---:|---:|---|---|"]
-    for case, (_, unit) in CASES.items():
+    only = f' --only "{args.only}"' if args.only else ""
+    lines = [(f"`python benchmarks/ab.py {args.rev} --rounds {args.rounds}{only}` (new: this "
+              f"checkout, {head} and what is not committed; old: {args.rev})"), "",
+             "| case | old, median | new, median | new / old: median (min–max) | each round | unit |",
+             "|---|---:|---:|---|---|---|"]
+    for case, (_, unit) in cases.items():
         o, n = figures[case]["old"], figures[case]["new"]
-        ratios = ", ".join(f"{b / a:.3f}" for a, b in zip(o, n, strict=True))
+        ratios = [b / a for a, b in zip(o, n, strict=True)]
         lines.append(f"| {case} | {statistics.median(o):.2f} | {statistics.median(n):.2f} "
-                     f"| {ratios} | {unit} |")
+                     f"| {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) "
+                     f"| {', '.join(f'{r:.3f}' for r in ratios)} | {unit} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"ab-{args.rev}"
+    slug = "".join(ch if ch.isalnum() else "-" for ch in args.only).strip("-")
+    name = f"ab-{args.rev}" + (f"-{slug}" if slug else "")
     (args.out / f"{name}.json").write_text(json.dumps({"new": head, "old": args.rev,
                                                        "figures": figures}, indent=1) + "\n")
     (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
