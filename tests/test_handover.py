@@ -1,13 +1,17 @@
 """The weight sets a colocated shard shares with its worker (nodes.handover).
 
 Unit: a set's range is found from tensors over its own memory (whole or in pieces) and from
-nothing else; the pool keeps a set the worker is bound to out of reuse; `copy_into` leaves a
-part that already lies in place. In one event loop over real ZeroMQ: colocated sync computes
-on the shard's sets (observed while it trains) and still steps exactly as one coordinator,
-with plain SGD (the step writes into a spare set) and with momentum (a copy, stepped in
-place); periodic averaging (the worker steps its own weights) never binds to them; bf16
-pushes, top-k broadcasts (Changes, loaded into the worker's own buffers) and backup workers
-train to the same model on every worker.
+nothing else; the pool keeps a set the worker is bound to out of reuse, and forgets the sets
+it let go of; `copy_into` leaves a part that already lies in place; a worker loading by hand
+binds its model to the set a whole version lies in (that range not copied, the other copied
+in), and for Changes after it moves back to its own buffers, leaving the set untouched.
+
+In one event loop over real ZeroMQ: colocated sync computes on the shard's sets (observed
+while it trains) and still steps exactly as one coordinator, with plain SGD (the step
+writes into a spare set) and with momentum (a copy, stepped in place); periodic averaging
+(the worker steps its own weights) never binds; bf16 pushes and top-k broadcasts step as
+shards apart do; backup workers train to the same model on every worker; a shard's
+checkpoint holds its range, not the whole set around it.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from torch import nn
 
 from bus.buffers import SendBuffers
 from bus.layout import Layout
+from bus.messages import Changes, Weights
 from bus.pieces import Pieces, copy_into
 from nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from nodes.coordinator import Progress
 from nodes.handover import Handover
+from nodes.link import Newer
 from nodes.shards import ShardModel, assemble
 from strategies import PeriodicAveraging, Strategy, Sync
 
@@ -98,6 +104,51 @@ def initial() -> nn.Module:
     pyzmq copies frames under 64 KB (zmq.COPY_THRESHOLD), which then cannot be shared."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(digits.NUM_FEATURES, 1024), nn.ReLU(), nn.Linear(1024, digits.NUM_CLASSES))
+
+
+def _worker_beside(handover: Handover, model: nn.Module) -> Worker:
+    """A worker of 2 whose link `handover.index` is the shard beside it (not started: its
+    loads are driven by hand, as its compute thread drives them)."""
+    endpoints = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    worker = Worker(model=model, data=digits.data, loss=digits.loss, handover=handover,
+                    config=WorkerConfig(connect=endpoints, rank=handover.index))
+    worker._sharing = True
+    return worker
+
+
+def _load(worker: Worker, latest: list[Newer | None]) -> None:
+    worker._follow_handover(latest)
+    for link, newer in zip(worker.links, latest, strict=True):
+        if newer is not None:
+            link.load(newer)
+
+
+def test_the_worker_binds_to_the_set_then_leaves_it_untouched_for_changes() -> None:
+    model = initial()
+    layout = Layout.of(model.named_parameters())
+    handover = Handover(layout, layout.shard(1, 2), 1)
+    worker = _worker_beside(handover, model)
+    made = handover.allocate()  # the shard made version 1 here
+    made[0].copy_(torch.arange(made[0].numel(), dtype=torch.float32))
+    other = tuple(t + 1.0 for t in layout.shard(0, 2).take(layout.allocate()))  # from tcp
+    _load(worker, [Newer(Weights(version=1, tensors=other), ()),
+                   Newer(Weights(version=1, tensors=made), ())])
+    whole = handover.holding(made)
+    assert whole is not None and worker.flat.weights is whole and handover.bound is whole
+    assert handover.held(made)
+    local, remote = (shard.take(worker.flat.weights) for shard in (layout.shard(1, 2), layout.shard(0, 2)))
+    assert local[0].data_ptr() == made[0].data_ptr()  # in place: not copied
+    assert torch.equal(remote[0], other[0])  # the other shard's range: copied in
+    before = made[0].clone()
+    # Version 2 from the shard beside it comes as Changes: loaded into the worker's own
+    # buffers, never into the set, which the shard may be sending.
+    at = torch.tensor([0, 5], dtype=torch.int64)
+    _load(worker, [None, Newer(None, (Changes(version=2, base=1, tensors=(at, torch.tensor([-1.0, -2.0]))),))])
+    assert worker.flat.weights is worker._own and handover.bound is None and not handover.held(made)
+    assert torch.equal(made[0], before)
+    mine = layout.shard(1, 2).take(worker.flat.weights)[0]
+    assert mine[:6].tolist() == [-1.0, 1.0, 2.0, 3.0, 4.0, -2.0]
+    assert torch.equal(layout.shard(0, 2).take(worker.flat.weights)[0], other[0])  # carried over
 
 
 def plain_sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
