@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def main() -> None:
                      f"| {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) "
                      f"| {', '.join(f'{r:.3f}' for r in ratios)} | {unit} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    slug = "".join(ch if ch.isalnum() else "-" for ch in args.only).strip("-")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", args.only).strip("-")
     name = f"ab-{args.rev}" + (f"-{slug}" if slug else "")
     (args.out / f"{name}.json").write_text(json.dumps({"new": head, "old": args.rev,
                                                        "figures": figures}, indent=1) + "\n")
