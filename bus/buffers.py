@@ -1,8 +1,9 @@
 """Ownership of buffers on the zero-copy send path.
 
 A tensor sent with `copy=False` is read by ZeroMQ's I/O thread after `send` returns, so it
-must not be written again until ZeroMQ is done with it; ZeroMQ says so through a
-`MessageTracker`. Two tools for the two cases in tensorbus:
+must not be written again until ZeroMQ is done with it; a send's `Tracker` says so
+(`bus.transport._send`: done once pyzmq has dropped every frame). Two tools for the two
+cases in tensorbus:
 
 - `SendBuffers`: a pool of flat buffer sets for data that is written anew for every send
   (the coordinator's snapshot of each published version). The owner `take`s a set, sends
