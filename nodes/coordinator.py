@@ -693,12 +693,11 @@ class Coordinator:
         step over few parameters is taken on the loop: shorter than the hop to a thread,
         it would hold heartbeats back by less than that hop costs.
 
-        The master weights are also the published snapshot (see `_take_snapshot`): a
-        dense plain-SGD step writes the next version into a free buffer set, which then
-        becomes the master; any other step writes in place, on a master moved off the
-        snapshot first (`_own_master`)."""
-        lr = None if self._weights_pushed else changed.plain_sgd_lr(self.optimizer, self._params)
-        into = self._pool.take() if self._ALIAS and lr is not None and self._touched is None else None
+        The master weights are also the published snapshot (see `_take_snapshot`): a step
+        that makes the next version from the updates alone (`_into_spare`) writes it into a
+        free buffer set, which then becomes the master; any other step writes in place, on
+        a master moved off the snapshot first (`_own_master`)."""
+        into = self._pool.take() if self._into_spare(self._plain_lr()) else None
         if into is None:
             self._own_master()
         try:
@@ -730,20 +729,39 @@ class Coordinator:
                     # Read where they arrived (no copy before), a block at a time.
                     sum_into(mean, [update[b] for update in updates], scale / len(updates))
 
+    def _plain_lr(self) -> float | None:
+        """The learning rate where a step is plain SGD on pushed gradients, else None."""
+        return None if self._weights_pushed else changed.plain_sgd_lr(self.optimizer, self._params)
+
+    def _into_spare(self, lr: float | None) -> bool:
+        """Whether a step can write the next version into a spare buffer set, leaving the
+        master as it was: plain SGD on dense gradients, or the plain mean of pushed weights
+        (both read the master only, if at all). Not a relay's (see _ALIAS)."""
+        if not self._ALIAS or self._touched is not None:
+            return False
+        return lr is not None or (self._weights_pushed and self.optimizer is None
+                                  and self._compression.topk is None)
+
     def _step(self, updates: list[tuple[Received, ...]], scale: float, *,
               into: tuple[torch.Tensor, ...] | None = None) -> None:
         """Average the updates and take one step with the result.
 
         Gradients: their mean, times `scale`, goes into the gradient buffers and the
         optimizer steps; with plain SGD (nodes.changes.plain_sgd_lr) the same
-        arithmetic is done without the buffers: block by block for dense updates (into
-        the buffer set `into`, if given, leaving the master as it was), at their k elements
-        for top-k ones. Weights: their mean replaces the weights, or with an outer
-        optimizer, (weights - mean) is the gradient it steps on.
+        arithmetic is done without the buffers: block by block for dense updates, at their
+        k elements for top-k ones. Weights: their mean replaces the weights, or with an
+        outer optimizer, (weights - mean) is the gradient it steps on. With `into` (where
+        `_into_spare`), the next version goes there and the master is left as it was.
         """
-        lr = None if self._weights_pushed else changed.plain_sgd_lr(self.optimizer, self._params)
-        if into is not None and (lr is None or self._touched is not None):
-            raise ValueError("only a dense plain-SGD step writes into another buffer set")
+        lr = self._plain_lr()
+        if into is not None and not self._into_spare(lr):
+            raise ValueError("only plain SGD on dense gradients, or a plain mean of weights, "
+                             "writes into another buffer set")
+        if into is not None and lr is None:  # pushed weights: their mean, straight there
+            with torch.no_grad():
+                for b, out in enumerate(into):
+                    sum_into(out, [update[b] for update in updates], scale / len(updates))
+            return
         if lr is not None:
             if self._touched is not None:
                 self._sparse_step(updates, scale, lr)

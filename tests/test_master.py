@@ -2,10 +2,10 @@
 
 A snapshot (what a broadcast, a Welcome or a Pull sends, zero-copy) is the master's buffer
 set itself, not a copy. From then on the master is not written in place while a send may
-read it: a dense plain-SGD step writes the next version into a free set, which becomes the
-master; any other step (momentum, top-k, averaging) first moves the master to a copy. Here
-the steps are the coordinator's own (`_update`), on a model of several MB; a send that is
-still reading is a tracker not done.
+read it: a dense plain-SGD step, or a plain average of pushed weights, writes the next
+version into a free set, which becomes the master; any other step (momentum, top-k) first
+moves the master to a copy. Here the steps are the coordinator's own (`_update`), on a
+model of several MB; a send that is still reading is a tracker not done.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from nodes import Coordinator, CoordinatorConfig
-from strategies import Sync
+from strategies import PeriodicAveraging, Sync
 
 pytestmark = pytest.mark.timeout(60)
 LR = 0.01
@@ -134,3 +134,28 @@ def test_a_send_under_way_keeps_its_snapshot_busy_until_it_returns_and_is_done()
         assert snapshot.free
 
     asyncio.run(scenario())
+
+
+def test_averaged_weights_go_into_a_spare_set_and_leave_the_published_one() -> None:
+    coordinator = Coordinator(
+        model=_model(), strategy=PeriodicAveraging(workers=2, average_every=1),
+        config=CoordinatorConfig(batch_size=8, steps=10))
+    layout = coordinator.flat.layout
+    generator = torch.Generator().manual_seed(2)
+
+    async def steps() -> None:
+        for _ in range(3):
+            published = coordinator._take_snapshot().buffers
+            kept = tuple(b.clone() for b in published)
+            pushed = [tuple(torch.randn(b.numel, generator=generator) for b in layout.buckets)
+                      for _ in range(2)]
+            await coordinator._update(pushed, 1.0, loss=1.0, samples=16)
+            coordinator.version += 1
+            assert coordinator.flat.weights is not published
+            # Summed straight into the spare set: not into the gradient buffers, then copied.
+            assert not any(g.any() for g in coordinator.flat.grads)
+            assert all(torch.equal(a, b) for a, b in zip(published, kept, strict=True))
+            for got, a, b in zip(coordinator.flat.weights, *pushed, strict=True):
+                assert torch.equal(got, (a + b) * 0.5)
+
+    asyncio.run(steps())

@@ -10,7 +10,10 @@ only (which pyzmq copies) has nothing to track.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +24,10 @@ from bus.buffers import Tracker
 from bus.transport import TRACK_ABOVE, _send
 
 pytestmark = pytest.mark.timeout(30)
+Receive = Callable[[bool], Awaitable[list[Any]]]
+
+
+RECV_S = 5.0  # a receive that takes longer fails the test with this bound, not a hang
 
 
 async def _until_done(tracker: Tracker, within_s: float = 5.0) -> bool:
@@ -30,12 +37,22 @@ async def _until_done(tracker: Tracker, within_s: float = 5.0) -> bool:
     return tracker.done
 
 
-def _pair(endpoint: str) -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket, zmq.asyncio.Socket]:
+@contextlib.asynccontextmanager
+async def _pair(endpoint: str) -> AsyncIterator[tuple[zmq.asyncio.Socket, Receive]]:
+    """A sender bound at `endpoint` and a receive (of one message, frames kept as zmq.Frames
+    or copied to bytes) from the socket connected to it."""
     context = zmq.asyncio.Context()
-    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-    sender.bind(endpoint)
-    receiver.connect(sender.getsockopt(zmq.LAST_ENDPOINT).decode())
-    return context, sender, receiver
+    try:
+        sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+        sender.bind(endpoint)
+        receiver.connect(sender.getsockopt(zmq.LAST_ENDPOINT).decode())
+
+        async def receive(copy: bool) -> list[Any]:
+            return await asyncio.wait_for(receiver.recv_multipart(copy=copy), RECV_S)
+
+        yield sender, receive
+    finally:
+        context.destroy(linger=0)
 
 
 def _frames() -> list[object]:
@@ -45,11 +62,10 @@ def _frames() -> list[object]:
 
 def test_in_process_frames_are_tracked_until_the_receiver_drops_every_one() -> None:
     async def main() -> None:
-        context, sender, receiver = _pair("inproc://tracking")
-        try:
+        async with _pair("inproc://tracking") as (sender, receive):
             tracker = await _send(sender, _frames())
             assert tracker is not None
-            got = await receiver.recv_multipart(copy=False)
+            got = await receive(False)
             assert bytes(got[2].buffer)[:3] == bytes([0, 1, 2])  # the sender's bytes, as sent
             await asyncio.sleep(0.05)
             assert not tracker.done  # the receiver holds them: the sender may not write
@@ -59,34 +75,25 @@ def test_in_process_frames_are_tracked_until_the_receiver_drops_every_one() -> N
             assert not tracker.done  # one frame is still held
             del last
             assert await _until_done(tracker)
-        finally:
-            context.destroy(linger=0)
 
     asyncio.run(main())
 
 
 def test_tcp_frames_are_tracked_until_they_are_sent() -> None:
     async def main() -> None:
-        context, sender, receiver = _pair("tcp://127.0.0.1:*")
-        try:
+        async with _pair("tcp://127.0.0.1:*") as (sender, receive):
             tracker = await _send(sender, _frames())
             assert tracker is not None
-            got = await receiver.recv_multipart()
-            assert [len(f) for f in got] == [6, TRACK_ABOVE, TRACK_ABOVE, TRACK_ABOVE]
+            assert [len(f) for f in await receive(True)] == [6, TRACK_ABOVE, TRACK_ABOVE, TRACK_ABOVE]
             assert await _until_done(tracker)
-        finally:
-            context.destroy(linger=0)
 
     asyncio.run(main())
 
 
 def test_small_frames_are_copied_and_not_tracked() -> None:
     async def main() -> None:
-        context, sender, receiver = _pair("inproc://small")
-        try:
+        async with _pair("inproc://small") as (sender, receive):
             assert await _send(sender, [b"header", bytes(TRACK_ABOVE - 1)]) is None
-            assert [len(f) for f in await receiver.recv_multipart()] == [6, TRACK_ABOVE - 1]
-        finally:
-            context.destroy(linger=0)
+            assert [len(f) for f in await receive(True)] == [6, TRACK_ABOVE - 1]
 
     asyncio.run(main())
