@@ -2,11 +2,21 @@
 
 Every step frees and allocates the same large blocks: gradients autograd makes, frames
 libzmq receives (1 MiB chunks, allocated on its I/O thread, freed on ours). glibc's malloc
-gives freed memory at the top of a heap back to the system once it exceeds a trim
-threshold, and maps blocks above the mmap threshold afresh each time; either way the next
-step faults every page in again (seen as minor page faults in getrusage, step after step,
-on a worker serving a shard of the 10M-parameter MLP). Raising both thresholds keeps the
-blocks in the heap. Only `run/` calls this, once per process, like the torch thread count.
+gives such memory back to the system in three ways, and the next step then faults every
+page in again (the kernel clears each one), step after step:
+
+- a block above the mmap threshold is mapped afresh for each request;
+- freed memory at the top of the main heap beyond the trim threshold is released;
+- a thread's arena (the compute thread's, where autograd allocates the gradients) grows in
+  heaps of at most 64 MiB: a block that does not fit in the thread's first heap gets a heap
+  of its own, which glibc unmaps as soon as the block is freed, unless the top pad says to
+  keep that much. With the 10M-parameter MLP the 32 MB gradient of the middle layer went
+  this way every other step: 7767 faults each time (tests/test_hot_path.py), about 3.7 ms
+  of CPU a step in the kernel's page clearing (`perf`, benchmarks/cpu_profile.py).
+
+Raising all three keeps the blocks: memory freed once is held for the next step, at the
+cost of a process keeping up to a heap's worth of freed memory per thread that allocates.
+Only `run/` calls this, once per process, like the torch thread count.
 """
 
 from __future__ import annotations
@@ -15,8 +25,10 @@ import ctypes
 import ctypes.util
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit
+_HEAP_MAX = 2 * _MMAP_THRESHOLD_MAX  # the most a thread's heap holds (glibc's HEAP_MAX_SIZE)
 _TRIM_THRESHOLD = 1 << 30
 
 
@@ -30,4 +42,6 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-                and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+                and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+                # A heap with a pad of its whole size is never unmapped nor shrunk.
+                and mallopt(_M_TOP_PAD, _HEAP_MAX))
