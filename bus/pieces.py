@@ -89,26 +89,59 @@ def sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float = 1.0
         _sum_block(flat[start:stop], walkers, start, stop, scale)
 
 
-def add_sum_into(flat: torch.Tensor, tensors: Sequence[Received], scale: float, alpha: float,
-                 scratch: torch.Tensor, *, out: torch.Tensor | None = None) -> None:
-    """flat += alpha * (scale * the sum of `tensors`), in place: `sum_into` a buffer, then
-    `flat.add_(buffer, alpha=alpha)`, the same operations on every element, but a block at a
-    time through `scratch` (1-D, of the block's size and flat's dtype), so that no buffer of
-    flat's size is written and read again (a plain SGD step on received gradients). With
-    `out` (flat's size and dtype), the result goes there and `flat` is left as it was: the
-    same values, bit for bit (`torch.add(flat, buffer, alpha=alpha, out=...)`)."""
-    walkers = _walkers(flat.numel(), tensors)
-    if out is not None and (out.shape != flat.shape or out.dtype != flat.dtype):
-        raise ValueError(f"out of {out.dtype} {list(out.shape)} for {flat.dtype} {list(flat.shape)}")
-    block = scratch.numel()
-    for start in range(0, flat.numel(), block):
-        stop = min(flat.numel(), start + block)
-        summed = scratch[: stop - start]
-        _sum_block(summed, walkers, start, stop, scale)
-        if out is None:
-            flat[start:stop].add_(summed, alpha=alpha)
-        else:
-            torch.add(flat[start:stop], summed, alpha=alpha, out=out[start:stop])
+def fold(out: torch.Tensor, base: torch.Tensor | None, tensors: Sequence[Received], alpha: float,
+         *, stop: int | None = None, block: int = BLOCK) -> None:
+    """out = base + alpha * t0 + alpha * t1 + ..., element by element in that order (each
+    addition rounded on its own), over out[:stop]; `base` None: out's own elements.
+
+    A plain SGD step over pushed gradients (alpha = -lr / n), made as the pushes come
+    (`fold_checked`, one at a time, each on what the last left) or all at once at the end:
+    the same bits either way, because every block is cut alike (at multiples of `block`
+    from the start, and where each tensor's parts begin), so each element goes through the
+    same kernels in the same order."""
+    if stop is None:
+        stop = out.numel()
+    walkers = _walkers(out.numel(), tensors) if tensors else []
+    for start in range(0, stop, block):
+        end = min(stop, start + block)
+        place = out[start:end]
+        first = base[start:end] if base is not None else place
+        for i, walker in enumerate(walkers):
+            for lo, part in walker.cover(start, end):
+                at = place[lo - start : lo - start + part.numel()]
+                source = first[lo - start : lo - start + part.numel()] if i == 0 else at
+                torch.add(source, part, alpha=alpha, out=at)
+        if not walkers and base is not None:
+            place.copy_(first)
+
+
+def fold_checked(out: torch.Tensor, base: torch.Tensor | None, tensor: Received, alpha: float,
+                 *, block: int = BLOCK) -> int | None:
+    """`fold` one tensor (out = base + alpha * tensor; `base` None: out += ...), checking
+    each block of it finite just before it is added, while it is in cache: the check and
+    the step read the bytes once between them. None if every element was finite; else the
+    start of the first block with a NaN or an infinity, where it stopped: the blocks before
+    it hold the tensor already, and the caller builds them again without it (`fold` with
+    `stop`). A finite sum proves a block finite; one that overflowed is looked at element
+    by element (see all_finite)."""
+    walker = _Walker(tensor) if tensor.numel() == out.numel() else None
+    if walker is None:
+        raise ValueError(f"a tensor of {tensor.numel()} elements for a buffer of {out.numel()}")
+    for start in range(0, out.numel(), block):
+        end = min(out.numel(), start + block)
+        cover = list(walker.cover(start, end))
+        if tensor.is_floating_point() and not all(_finite(part) for _, part in cover):
+            return start
+        place = out[start:end]
+        first = base[start:end] if base is not None else place
+        for lo, part in cover:
+            at = place[lo - start : lo - start + part.numel()]
+            torch.add(first[lo - start : lo - start + part.numel()], part, alpha=alpha, out=at)
+    return None
+
+
+def _finite(part: torch.Tensor) -> bool:
+    return math.isfinite(float(part.sum())) or bool(torch.isfinite(part).all())
 
 
 def _walkers(count: int, tensors: Sequence[Received]) -> list[_Walker]:

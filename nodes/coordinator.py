@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,12 +44,13 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.pieces import BLOCK, Received, add_sum_into, all_finite, sum_into, whole
+from bus.pieces import Received, all_finite, fold, sum_into, whole
 from bus.transport import Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
+from nodes.fold import Fold
 from nodes.membership import Member, Membership
 from nodes.metrics import Metrics
 from nodes.shards import ShardModel
@@ -225,17 +226,13 @@ class Coordinator:
                          if self._compression.topk is not None and not self._weights_pushed
                          else None)
         self._params = list(self.model.parameters())
-        # With plain SGD, dense updates are summed a block at a time into these and added
-        # to the weights from there (bus.pieces.add_sum_into): no pass over a whole buffer.
-        self._scratch = (tuple(torch.empty(min(BLOCK, b.numel), dtype=b.dtype)
-                               for b in self.flat.layout.buckets)
-                         if self._compression.topk is None and not self._weights_pushed else ())
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
         self._members = Membership(config.max_workers or strategy.workers,
                                    first_rank=config.first_rank, world_size=config.world_size)
         self._held: dict[int, _Held] = {}
+        self._fold: Fold | None = None  # the next version, made as its pushes come
         self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
         self._target = config.steps  # in versions; or
         self._target_samples: int | None = None  # from --epochs, fixed when training starts
@@ -537,7 +534,12 @@ class Coordinator:
         await self._send_weights(peer, welcome)
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
-        if not math.isfinite(message.loss) or not all(all_finite(t) for t in message.tensors):
+        fold = self._fold_for(member.rank, message) if math.isfinite(message.loss) else None
+        if fold is not None:
+            finite = await self._fold_in(fold, member.rank, message)
+        else:
+            finite = math.isfinite(message.loss) and all(all_finite(t) for t in message.tensors)
+        if not finite:
             decisions: list[Decision] = [Drop(member.rank, message.version, DropReason.NOT_FINITE)]
             self._not_finite[member.rank] = self._not_finite.get(member.rank, 0) + 1
             self._warn(peer, "not_finite", f"worker {member.rank} pushed a non-finite update "
@@ -550,6 +552,8 @@ class Coordinator:
             self._not_finite[member.rank] = 0
             decisions = self.strategy.handle(Arrived(member.rank, message.version, now))
             self.metrics.max_clock_gap = max(self.metrics.max_clock_gap, self.strategy.clock_gap())
+        if fold is not None and finite and Keep(member.rank, message.version) not in decisions:
+            self._let_go_of_fold()  # folded, but not taken: the step must not count it
         self.metrics.worker(member.rank)["pushes"] += 1
         self.watch.pushed(member.rank, message, time.time())
         dropped = ""
@@ -636,7 +640,7 @@ class Coordinator:
         started = time.time()
         await self._update([h.tensors for h in held], decision.scale,
                            loss=sum(h.loss for h in held) / len(held),
-                           samples=sum(h.samples for h in held))
+                           samples=sum(h.samples for h in held), ranks=decision.workers)
         for h in held:
             h.tensors = ()  # reduced: let go of the frames (see _receive)
         if self.state is State.STOPPING:
@@ -686,7 +690,8 @@ class Coordinator:
         return None
 
     async def _update(
-        self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int
+        self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int,
+        ranks: Sequence[int] = (),
     ) -> None:
         """Make the next version of the weights from these updates: here, one optimizer
         step, in a thread (a relay, `nodes.relay`, sends their mean upstream instead). A
@@ -696,15 +701,26 @@ class Coordinator:
         The master weights are also the published snapshot (see `_take_snapshot`): a step
         that makes the next version from the updates alone (`_into_spare`) writes it into a
         free buffer set, which then becomes the master; any other step writes in place, on
-        a master moved off the snapshot first (`_own_master`)."""
-        into = self._pool.take() if self._into_spare(self._plain_lr()) else None
+        a master moved off the snapshot first (`_own_master`). A plain SGD step whose
+        first pushes (of `ranks`, in the step's order) were folded in as they came
+        (nodes.fold) goes on from there."""
+        lr = self._plain_lr()
+        fold, self._fold = self._fold, None
+        folded = None
+        if fold is not None and lr is not None:
+            folded = fold.folded(self.version, -lr * scale / len(updates), ranks)
+        if fold is not None and folded is None:
+            self._pool.release(fold.into, [])
+        into = fold.into if fold is not None and folded is not None else (
+            self._pool.take() if self._into_spare(lr) else None)
         if into is None:
             self._own_master()
+        step = functools.partial(self._step, updates, scale, into=into, folded=folded or 0)
         try:
             if self._small:
-                self._step(updates, scale, into=into)
+                step()
             else:
-                await asyncio.to_thread(functools.partial(self._step, updates, scale, into=into))
+                await asyncio.to_thread(step)
         except Exception:
             # The step failed and is over: nothing counts what it wrote. (Cancelled, the
             # thread may still be writing: the set is let go of, not given back.)
@@ -743,7 +759,7 @@ class Coordinator:
                                   and self._compression.topk is None)
 
     def _step(self, updates: list[tuple[Received, ...]], scale: float, *,
-              into: tuple[torch.Tensor, ...] | None = None) -> None:
+              into: tuple[torch.Tensor, ...] | None = None, folded: int = 0) -> None:
         """Average the updates and take one step with the result.
 
         Gradients: their mean, times `scale`, goes into the gradient buffers and the
@@ -751,7 +767,9 @@ class Coordinator:
         arithmetic is done without the buffers: block by block for dense updates, at their
         k elements for top-k ones. Weights: their mean replaces the weights, or with an
         outer optimizer, (weights - mean) is the gradient it steps on. With `into` (where
-        `_into_spare`), the next version goes there and the master is left as it was.
+        `_into_spare`), the next version goes there and the master is left as it was;
+        for plain SGD, the updates are folded into it one after the other (bus.pieces.fold),
+        the first `folded` of them already (nodes.fold).
         """
         lr = self._plain_lr()
         if into is not None and not self._into_spare(lr):
@@ -765,12 +783,13 @@ class Coordinator:
         if lr is not None:
             if self._touched is not None:
                 self._sparse_step(updates, scale, lr)
-            else:
+            else:  # into the spare set, or in place (a caller's own step): the same bits
+                alpha = -lr * scale / len(updates)  # as nodes.fold's, bit for bit
                 with torch.no_grad():
                     for b, weights in enumerate(self.flat.weights):
-                        add_sum_into(weights, [update[b] for update in updates],
-                                     scale / len(updates), -lr, self._scratch[b],
-                                     out=into[b] if into is not None else None)
+                        out = into[b] if into is not None else weights
+                        fold(out, weights if folded == 0 else None,
+                             [update[b] for update in updates[folded:]], alpha)
             return
         self._mean(updates, scale)
         with torch.no_grad():
@@ -782,6 +801,39 @@ class Coordinator:
                         mean.sub_(self.flat.weights[b]).neg_()
         if self.optimizer is not None:
             self.optimizer.step()
+
+    def _fold_for(self, rank: int, message: Push) -> Fold | None:
+        """The fold to fold this push into now (made if need be), or None: it is not a
+        dense plain SGD step's, of the version being made, next in rank order (nodes.fold)."""
+        lr = self._plain_lr()
+        quorum = self.strategy.quorum()
+        if (lr is None or quorum is None or not self._into_spare(lr)
+                or message.version != self.version or self.state is State.STOPPING):
+            return None
+        alpha = -lr * 1.0 / quorum  # as the step's, bit for bit (scale 1)
+        if self._fold is not None and (self._fold.version != self.version
+                                       or self._fold.alpha != alpha):
+            self._let_go_of_fold()  # of an older version, or the quorum changed
+        if self._fold is None:
+            self._fold = Fold(self.version, alpha, self._pool.take())
+        members = [m.rank for m in self._members]
+        return self._fold if self._fold.takes(rank, members) else None
+
+    async def _fold_in(self, fold: Fold, rank: int, message: Push) -> bool:
+        """Fold a push in (nodes.fold); whether it was finite."""
+        add = functools.partial(fold.add, self.flat.weights, rank, message.tensors)
+        async with self._step_lock:
+            try:
+                return add() if self._small else await asyncio.to_thread(add)
+            except BaseException:
+                if self._fold is fold:  # (cancelled, the thread may still write it: forgotten)
+                    self._fold = None
+                raise
+
+    def _let_go_of_fold(self) -> None:
+        if self._fold is not None:
+            self._pool.release(self._fold.into, [])
+            self._fold = None
 
     def _sparse_step(self, updates: list[tuple[Received, ...]], scale: float, lr: float) -> None:
         """Plain SGD on top-k updates at their k elements, straight into the weights: the

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -147,7 +147,8 @@ class Relay(Coordinator):
             await asyncio.sleep(self._upstream.heartbeat_s)
 
     async def _update(
-        self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int
+        self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int,
+        ranks: Sequence[int] = (),
     ) -> None:
         """The mean of the local updates goes to the root as one update; the root's next
         version (the one with it, where the root's strategy waits for it) comes back."""

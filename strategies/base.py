@@ -210,6 +210,11 @@ class Strategy(ABC):
         live = [self.clocks[m] for m in self.members]
         return max(live) - min(live) if live else 0
 
+    def quorum(self) -> int | None:
+        """How many updates the next step averages, where that is known before they come
+        (a coordinator then folds them in as they come: nodes.fold); None where it is not."""
+        return None
+
     # For subclasses ------------------------------------------------------------------------
 
     def _join(self, worker: int) -> list[Decision]:

@@ -243,7 +243,9 @@ def test_a_sparse_step_gives_the_weights_of_the_full_step() -> None:
     assert torch.equal(changes[1], sparse.flat.weights[0][written])
 
 
-def test_a_plain_sgd_step_on_dense_updates_is_the_optimizers_bit_for_bit() -> None:
+def test_a_plain_sgd_step_on_dense_updates_is_the_optimizers_without_its_buffers() -> None:
+    """Plain SGD folds the updates into the weights one after the other (nodes.fold): the
+    optimizer's step up to the rounding of each addition; the gradient buffers untouched."""
     def coordinator(hooked: bool) -> Coordinator:
         torch.manual_seed(0)
 
@@ -262,8 +264,12 @@ def test_a_plain_sgd_step_on_dense_updates_is_the_optimizers_bit_for_bit() -> No
     grads_before = plain.flat.grads[0].clone()
     plain._step(updates, 0.5)  # type: ignore[arg-type]
     full._step(updates, 0.5)  # type: ignore[arg-type]
-    assert torch.equal(plain.flat.weights[0], full.flat.weights[0])
+    torch.testing.assert_close(plain.flat.weights[0], full.flat.weights[0], rtol=0, atol=1e-6)
     assert not torch.equal(plain.flat.weights[0], coordinator(False).flat.weights[0])  # it stepped
+    want = coordinator(False).flat.weights[0].clone()
+    for update in updates:
+        want.add_(update[0], alpha=-0.1 * 0.5 / 2)
+    assert torch.equal(plain.flat.weights[0], want)
     assert torch.equal(plain.flat.grads[0], grads_before)  # through a block, not the buffers
 
 

@@ -70,8 +70,13 @@ def test_a_published_version_is_the_master_and_no_later_step_writes_it(momentum:
     master = coordinator.flat.weights
     for param, view in zip(coordinator.model.parameters(), layout.views(master), strict=True):
         assert param.data_ptr() == view.data_ptr()
+    # With momentum, torch's SGD steps; plain SGD is folded push by push (nodes.fold), the
+    # same arithmetic up to the rounding of each addition.
     for param, want in zip(coordinator.model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(param.detach(), want.detach())
+        if momentum:
+            assert torch.equal(param.detach(), want.detach())
+        else:
+            torch.testing.assert_close(param.detach(), want.detach(), rtol=0, atol=1e-6)
 
 
 def test_sets_whose_sends_are_done_are_reused_not_allocated_again() -> None:

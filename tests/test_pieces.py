@@ -9,9 +9,10 @@ import torch
 
 from bus.pieces import (
     Pieces,
-    add_sum_into,
     all_finite,
     copy_into,
+    fold,
+    fold_checked,
     spans,
     sum_into,
     whole,
@@ -65,20 +66,6 @@ def test_sum_into_one_tensor_copies_it_and_refuses_a_wrong_size() -> None:
         sum_into(flat, [torch.zeros(5)])
 
 
-@pytest.mark.parametrize("n", [1, 7, 10, 1001])
-@pytest.mark.parametrize("scratch", [1, 3, 64])
-def test_add_sum_into_is_the_sum_then_one_add_bit_for_bit(n: int, scratch: int) -> None:
-    torch.manual_seed(n)
-    weights, a, b = torch.randn(n), torch.randn(n), torch.randn(n).to(torch.bfloat16)
-    tensors = [_pieces(a, [n // 3]), b]
-    mean = torch.empty(n)
-    sum_into(mean, tensors, 0.5)
-    want = weights.clone().add_(mean, alpha=-0.03)  # what the optimizer's step does
-    got = weights.clone()
-    add_sum_into(got, tensors, 0.5, -0.03, torch.empty(min(scratch, n)))
-    assert torch.equal(got, want)
-
-
 @pytest.mark.parametrize("count", [2, 3])
 @pytest.mark.parametrize("block", [5, 64])
 def test_tensors_cut_alike_are_summed_as_a_copy_then_adds_would_bit_for_bit(
@@ -93,19 +80,6 @@ def test_tensors_cut_alike_are_summed_as_a_copy_then_adds_would_bit_for_bit(
     flat = torch.full((23,), 7.0)
     sum_into(flat, tensors, 0.25, block=block)
     assert torch.equal(flat, want.mul_(0.25))
-
-
-def test_add_sum_into_another_buffer_leaves_flat_as_it_was_and_writes_the_same_bits() -> None:
-    torch.manual_seed(3)
-    weights, a, b = torch.randn(50), torch.randn(50), torch.randn(50)
-    tensors = [_pieces(a, [16, 32]), _pieces(b, [16, 32])]
-    in_place = weights.clone()
-    add_sum_into(in_place, tensors, 0.5, -0.03, torch.empty(16))
-    before, out = weights.clone(), torch.full((50,), 7.0)
-    add_sum_into(weights, tensors, 0.5, -0.03, torch.empty(16), out=out)
-    assert torch.equal(weights, before) and torch.equal(out, in_place)
-    with pytest.raises(ValueError, match="out of torch.float64"):
-        add_sum_into(weights, tensors, 0.5, -0.03, torch.empty(16), out=torch.empty(50, dtype=torch.float64))
 
 
 def test_a_narrower_dtype_adds_into_float32() -> None:
@@ -136,3 +110,63 @@ def test_pieces_must_add_up_to_the_shape() -> None:
         Pieces([torch.ones(2), torch.ones(3)], (6,))
     with pytest.raises(ValueError, match="at least one piece"):
         Pieces([], (0,))
+
+
+def _pushes(n: int) -> list[torch.Tensor | Pieces]:
+    """Three updates of n elements: cut in two places, whole, and whole in bf16."""
+    return [_pieces(torch.randn(n), [n // 3, n // 2]), torch.randn(n),
+            torch.randn(n).to(torch.bfloat16)]
+
+
+@pytest.mark.parametrize("n", [1, 10, 1001])
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_a_fold_push_by_push_has_the_bits_of_a_fold_at_once(n: int, block: int) -> None:
+    """nodes.fold: pushes folded as they come, each on what the last one left, equal the
+    step made over all of them at the end, bit for bit; and both are w + a*x0 + a*x1 + ...
+    in that order (up to the rounding of a fused multiply-add)."""
+    torch.manual_seed(n)
+    weights, pushes = torch.randn(n), _pushes(n)
+    at_once = torch.full((n,), 7.0)
+    fold(at_once, weights, pushes, -0.03, block=block)
+    one_by_one = torch.full((n,), 7.0)
+    for i, push in enumerate(pushes):
+        assert fold_checked(one_by_one, weights if i == 0 else None, push, -0.03, block=block) is None
+    assert torch.equal(one_by_one, at_once)
+    want = weights.clone()
+    for push in pushes:
+        want = want + -0.03 * whole(push).float()
+    torch.testing.assert_close(at_once, want, rtol=0, atol=1e-6)
+    # The first pushes at once and the rest then: the same bits too (a step that goes on
+    # from a fold).
+    later = torch.full((n,), 7.0)
+    fold(later, weights, pushes[:1], -0.03, block=block)
+    fold(later, None, pushes[1:], -0.03, block=block)
+    assert torch.equal(later, at_once)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_fold_stops_at_the_first_block_that_is_not_finite(bad: float) -> None:
+    torch.manual_seed(1)
+    weights, good = torch.randn(40), torch.randn(40)
+    poisoned = torch.randn(40)
+    poisoned[25] = bad
+    out = torch.full((40,), 7.0)
+    assert fold_checked(out, weights, good, 0.5, block=8) is None
+    before = out.clone()
+    # Blocks of 8: element 25 is in the block that starts at 24, which is not written;
+    # the blocks before it are, and `fold` with `stop` makes them again without it.
+    assert fold_checked(out, None, _pieces(poisoned, [13]), 0.5, block=8) == 24
+    assert torch.equal(out[24:], before[24:]) and not torch.equal(out[:24], before[:24])
+    fold(out, weights, [good], 0.5, stop=24, block=8)
+    assert torch.equal(out, before)
+
+
+def test_a_fold_checks_an_overflowing_sum_element_by_element_and_refuses_a_wrong_size() -> None:
+    big = torch.full((8,), 60000.0, dtype=torch.float16)  # finite, but sums past fp16's max
+    out = torch.zeros(8)
+    assert fold_checked(out, torch.zeros(8), big, 1.0) is None
+    assert torch.equal(out, big.float())
+    with pytest.raises(ValueError, match="5 elements for a buffer of 8"):
+        fold_checked(out, None, torch.zeros(5), 1.0)
+    with pytest.raises(ValueError, match="5 elements for a buffer of 8"):
+        fold(out, None, [torch.zeros(5)], 1.0)

@@ -1,0 +1,122 @@
+"""A plain SGD step made as the pushes of a version come (nodes.fold): the same bits as
+the step made at the end, whatever the order pushes come in, and a push that is not finite
+is still dropped, with the fold as it was before it.
+
+Unit: `Fold` on its own. Integration: a coordinator and two workers in one loop over real
+ZeroMQ, trained with folding and without it (the coordinator's `_fold_for` answering
+None), the versions compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+import torch
+from specs import load_example
+
+from bus.pieces import fold
+from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from nodes.fold import Fold
+from strategies import Sync
+
+pytestmark = pytest.mark.timeout(60)
+
+digits = load_example("digits")
+LR = 0.05
+
+
+def test_pushes_are_taken_in_rank_order_of_the_live_members() -> None:
+    fold_ = Fold(3, -0.01, (torch.zeros(4),))
+    assert not fold_.takes(1, [0, 1, 2])  # worker 0 may still push: it comes first
+    assert fold_.takes(0, [0, 1, 2])
+    fold_.ranks.append(0)
+    assert fold_.takes(1, [0, 1, 2]) and not fold_.takes(2, [0, 1, 2])
+    assert not fold_.takes(0, [0, 1, 2])  # once only
+    assert fold_.takes(2, [0, 2])  # worker 1 left: 2 is next
+
+
+def test_a_push_that_is_not_finite_leaves_the_fold_as_it_was() -> None:
+    torch.manual_seed(0)
+    master = (torch.randn(100), torch.randn(30))
+    pushes = [(torch.randn(100), torch.randn(30)) for _ in range(2)]
+    poisoned = (torch.randn(100), torch.randn(30))
+    poisoned[1][7] = math.nan  # in the second bucket: the first was folded in whole
+    fold_ = Fold(0, -0.1, (torch.empty(100), torch.empty(30)))
+    assert fold_.add(master, 0, pushes[0])
+    assert not fold_.add(master, 1, poisoned)
+    assert fold_.ranks == [0]
+    for b, out in enumerate(fold_.into):
+        want = torch.empty_like(out)
+        fold(want, master[b], [pushes[0][b]], -0.1)
+        assert torch.equal(out, want)
+    assert fold_.add(master, 1, pushes[1]) and fold_.ranks == [0, 1]
+    # What the step then finds: the fold serves a step of that version, alpha and order.
+    assert fold_.folded(0, -0.1, (0, 1)) == 2
+    assert fold_.folded(0, -0.1, (0, 1, 2)) == 2
+    assert fold_.folded(1, -0.1, (0, 1)) is None
+    assert fold_.folded(0, -0.2, (0, 1)) is None
+    assert fold_.folded(0, -0.1, (1, 2)) is None
+
+
+def _worker(endpoint: str, rank: int, poison_step: int | None) -> Worker:
+    torch.manual_seed(0)
+    model = digits.model()
+    if poison_step is not None:
+        # A NaN gradient once, with a finite loss: only the tensors say it.
+        calls = {"n": 0}
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            calls["n"] += 1
+            return grad * math.nan if calls["n"] == poison_step else grad
+
+        list(model.parameters())[-1].register_hook(poison)
+    return Worker(model=model, data=digits.data, loss=digits.loss,
+                  config=WorkerConfig(connect=endpoint, rank=rank, request_timeout_s=10.0))
+
+
+def _train(*, folding: bool, poisoned: int | None) -> tuple[list[torch.Tensor], dict[str, Any], int]:
+    """Train 2 workers of sync with plain SGD for 8 versions; the final weights, the
+    summary, and how many pushes were folded in as they came."""
+    async def scenario() -> tuple[list[torch.Tensor], dict[str, Any], int]:
+        torch.manual_seed(0)
+        coordinator = Coordinator(
+            model=digits.model(), strategy=Sync(workers=2),
+            config=CoordinatorConfig(batch_size=8, steps=8),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        folded = {"n": 0}
+        fold_in = coordinator._fold_in
+
+        async def counted(fold_: Fold, rank: int, message: Any) -> bool:
+            folded["n"] += 1
+            return await fold_in(fold_, rank, message)
+
+        coordinator._fold_in = counted  # type: ignore[method-assign]
+        if not folding:
+            coordinator._fold_for = lambda rank, message: None  # type: ignore[method-assign]
+        endpoint = coordinator.bind()
+        summary, *_ = await asyncio.gather(
+            coordinator.run(),
+            *(_worker(endpoint, r, 2 if r == poisoned else None).run() for r in (0, 1)))
+        weights = [w.clone() for w in coordinator.flat.weights]
+        return weights, summary, folded["n"]
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("poisoned", [None, 0, 1], ids=["finite", "rank-0-nan", "rank-1-nan"])
+def test_a_run_that_folds_pushes_as_they_come_makes_the_same_bits(poisoned: int | None) -> None:
+    """With folding, the coordinator folds pushes in as they come (at least worker 0's, the
+    first in rank order, every version); without it, it makes each step at the end: the
+    same weights, bit for bit. A NaN gradient (finite loss) is dropped as not finite either
+    way, and its worker computes again."""
+    want, plain, none_folded = _train(folding=False, poisoned=poisoned)
+    got, summary, folded = _train(folding=True, poisoned=poisoned)
+    assert none_folded == 0 and folded >= 8
+    assert summary["steps"] == plain["steps"] == 8
+    dropped = {} if poisoned is None else {"not_finite": 1}
+    assert summary["dropped"] == plain["dropped"] == dropped
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(bool(torch.isfinite(w).all()) for w in got)
