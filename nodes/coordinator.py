@@ -50,7 +50,7 @@ from nodes import changes as changed
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
-from nodes.fold import Fold
+from nodes.fold import Fold, next_to_fold
 from nodes.membership import Member, Membership
 from nodes.metrics import Metrics
 from nodes.shards import ShardModel
@@ -814,20 +814,25 @@ class Coordinator:
         if self._fold is not None and (self._fold.version != self.version
                                        or self._fold.alpha != alpha):
             self._let_go_of_fold()  # of an older version, or the quorum changed
+        members = [m.rank for m in self._members]
+        if not next_to_fold(self._fold.ranks if self._fold else [], rank, members):
+            return None  # (a set is taken only once there is something to fold into it)
         if self._fold is None:
             self._fold = Fold(self.version, alpha, self._pool.take())
-        members = [m.rank for m in self._members]
-        return self._fold if self._fold.takes(rank, members) else None
+        return self._fold
 
     async def _fold_in(self, fold: Fold, rank: int, message: Push) -> bool:
         """Fold a push in (nodes.fold); whether it was finite."""
-        add = functools.partial(fold.add, self.flat.weights, rank, message.tensors)
         async with self._step_lock:
+            if self._fold is not fold or fold.version != self.version:
+                # A step took the fold (its set may be published now) or let go of it while
+                # we waited for the lock: check the push on its own, as any other.
+                return all(all_finite(t) for t in message.tensors)
+            add = functools.partial(fold.add, self.flat.weights, rank, message.tensors)
             try:
                 return add() if self._small else await asyncio.to_thread(add)
             except BaseException:
-                if self._fold is fold:  # (cancelled, the thread may still write it: forgotten)
-                    self._fold = None
+                self._fold = None  # (cancelled, the thread may still write it: forgotten)
                 raise
 
     def _let_go_of_fold(self) -> None:

@@ -31,26 +31,35 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bus.pieces import Received, fold, fold_checked
+from bus.pieces import BLOCK, Received, fold, fold_checked
+
+
+def next_to_fold(folded: Sequence[int], rank: int, members: Sequence[int]) -> bool:
+    """Whether `rank`'s push is the next to fold after `folded`: the lowest of the live
+    `members` not folded yet (any lower one may still push, and the step adds it first)."""
+    if folded and rank <= folded[-1]:
+        return False
+    waiting = [r for r in members if r not in folded]
+    return bool(waiting) and rank == min(waiting)
 
 
 @dataclass
 class Fold:
-    """The next version of one version's pushes so far, in a spare set (`into`)."""
+    """The next version of one version's pushes so far, in a spare set (`into`).
+
+    Its owner (`Coordinator`) writes it only under its step lock, and only while it is
+    still the coordinator's fold of the version being made: a step that took the fold's
+    set (or let go of it) may have published it meanwhile."""
 
     version: int  # the version the pushes were computed on
     alpha: float  # -lr / the updates the step will average
     into: tuple[torch.Tensor, ...]  # a set from the coordinator's pool
     ranks: list[int] = field(default_factory=list)  # folded, in rank order
     updates: list[tuple[Received, ...]] = field(default_factory=list)  # theirs, in that order
+    block: int = BLOCK  # elements folded while in cache (bus.pieces.fold)
 
     def takes(self, rank: int, members: Sequence[int]) -> bool:
-        """Whether `rank`'s push is the next to fold: the lowest of the live `members` not
-        folded yet (any lower one may still push, and the step adds it first)."""
-        if self.ranks and rank <= self.ranks[-1]:
-            return False
-        waiting = [r for r in members if r not in self.ranks]
-        return bool(waiting) and rank == min(waiting)
+        return next_to_fold(self.ranks, rank, members)
 
     def add(self, master: Sequence[torch.Tensor], rank: int, update: tuple[Received, ...]) -> bool:
         """Fold one push in (checking it finite on the way); False if it is not finite,
@@ -58,13 +67,13 @@ class Fold:
         with torch.no_grad():
             for b, out in enumerate(self.into):
                 base = master[b] if not self.ranks else None
-                bad = fold_checked(out, base, update[b], self.alpha)
+                bad = fold_checked(out, base, update[b], self.alpha, block=self.block)
                 if bad is not None:
                     # Its blocks so far, built again without it: every bucket before this
                     # one, and this one up to where it stopped.
                     for c in range(b + 1):
                         fold(self.into[c], master[c], [u[c] for u in self.updates], self.alpha,
-                             stop=bad if c == b else None)
+                             stop=bad if c == b else None, block=self.block)
                     return False
         self.ranks.append(rank)
         self.updates.append(update)

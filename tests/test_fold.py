@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 from specs import load_example
+from torch import nn
 
+from bus.messages import Push
 from bus.pieces import fold
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from nodes.fold import Fold
@@ -38,19 +41,23 @@ def test_pushes_are_taken_in_rank_order_of_the_live_members() -> None:
     assert fold_.takes(2, [0, 2])  # worker 1 left: 2 is next
 
 
-def test_a_push_that_is_not_finite_leaves_the_fold_as_it_was() -> None:
+@pytest.mark.parametrize(("bucket", "where"), [(0, 50), (1, 7), (0, 0)])
+def test_a_push_that_is_not_finite_leaves_the_fold_as_it_was(bucket: int, where: int) -> None:
+    """Found in the middle of a bucket (blocks of 8: the blocks before it were written,
+    and are made again without it), in a later bucket (the first was folded in whole), or
+    at the very start."""
     torch.manual_seed(0)
     master = (torch.randn(100), torch.randn(30))
     pushes = [(torch.randn(100), torch.randn(30)) for _ in range(2)]
     poisoned = (torch.randn(100), torch.randn(30))
-    poisoned[1][7] = math.nan  # in the second bucket: the first was folded in whole
-    fold_ = Fold(0, -0.1, (torch.empty(100), torch.empty(30)))
+    poisoned[bucket][where] = math.nan
+    fold_ = Fold(0, -0.1, (torch.empty(100), torch.empty(30)), block=8)
     assert fold_.add(master, 0, pushes[0])
     assert not fold_.add(master, 1, poisoned)
     assert fold_.ranks == [0]
     for b, out in enumerate(fold_.into):
         want = torch.empty_like(out)
-        fold(want, master[b], [pushes[0][b]], -0.1)
+        fold(want, master[b], [pushes[0][b]], -0.1, block=8)
         assert torch.equal(out, want)
     assert fold_.add(master, 1, pushes[1]) and fold_.ranks == [0, 1]
     # What the step then finds: the fold serves a step of that version, alpha and order.
@@ -61,9 +68,59 @@ def test_a_push_that_is_not_finite_leaves_the_fold_as_it_was() -> None:
     assert fold_.folded(0, -0.1, (1, 2)) is None
 
 
-def _worker(endpoint: str, rank: int, poison_step: int | None) -> Worker:
+def test_a_fold_that_a_step_took_while_it_waited_for_the_lock_is_left_alone() -> None:
+    """Sync with a backup: workers 1 and 2 pushed, worker 3 was dropped as silent, so the
+    step of (1, 2) is due and waits for the step lock (held by a broadcast, say); worker
+    0's push comes meanwhile and its fold waits behind the step. The step takes the fold's
+    set and publishes it; the fold must then not write into it (found in review: it did)."""
+    async def scenario() -> None:
+        torch.manual_seed(0)
+        coordinator = Coordinator(
+            model=nn.Linear(4, 2), strategy=Sync(workers=3, backups=1),
+            config=CoordinatorConfig(batch_size=8, steps=8),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        for rank in range(3):
+            coordinator._members.join(bytes([rank]), rank, 0.0)
+        coordinator.strategy.members = {0, 1, 2}
+        n = coordinator.flat.weights[0].numel()
+        pushes = {r: (torch.full((n,), float(r + 1)),) for r in range(3)}
+        master = coordinator.flat.weights[0].clone()
+        lock = coordinator._step_lock
+        await lock.acquire()  # a broadcast holds it
+
+        async def step() -> None:
+            async with lock:
+                await coordinator._update([pushes[1], pushes[2]], 1.0, loss=0.0, samples=1,
+                                          ranks=(1, 2))
+                coordinator.version += 1
+
+        stepping = asyncio.ensure_future(step())
+        await asyncio.sleep(0)
+        push = Push(sender=0, request=1, version=0, tensors=pushes[0], clock=0, loss=1.0, samples=1)
+        fold_ = coordinator._fold_for(0, push)
+        assert fold_ is not None
+        folding = asyncio.ensure_future(coordinator._fold_in(fold_, 0, push))
+        await asyncio.sleep(0)
+        lock.release()
+        await stepping
+        assert await folding  # checked on its own instead: finite
+        want = torch.empty(n)
+        fold(want, master, [pushes[1][0], pushes[2][0]], -0.1 / 2)
+        assert torch.equal(coordinator.flat.weights[0], want)
+        assert fold_.ranks == []
+
+    asyncio.run(scenario())
+
+
+def _model() -> nn.Module:
+    """Over the coordinator's small-step bound (1M parameters): its folds and steps run in
+    a thread; a push is 5 MB, five frames, each bucket twenty blocks."""
     torch.manual_seed(0)
-    model = digits.model()
+    return nn.Sequential(nn.Linear(64, 16400), nn.ReLU(), nn.Linear(16400, 10))
+
+
+def _worker(endpoint: str, rank: int, poison_step: int | None) -> Worker:
+    model = _model()
     if poison_step is not None:
         # A NaN gradient once, with a finite loss: only the tensors say it.
         calls = {"n": 0}
@@ -79,21 +136,12 @@ def _worker(endpoint: str, rank: int, poison_step: int | None) -> Worker:
 
 def _train(*, folding: bool, poisoned: int | None) -> tuple[list[torch.Tensor], dict[str, Any], int]:
     """Train 2 workers of sync with plain SGD for 8 versions; the final weights, the
-    summary, and how many pushes were folded in as they came."""
+    summary, and how many pushes the steps found folded in already."""
     async def scenario() -> tuple[list[torch.Tensor], dict[str, Any], int]:
-        torch.manual_seed(0)
         coordinator = Coordinator(
-            model=digits.model(), strategy=Sync(workers=2),
+            model=_model(), strategy=Sync(workers=2),
             config=CoordinatorConfig(batch_size=8, steps=8),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
-        folded = {"n": 0}
-        fold_in = coordinator._fold_in
-
-        async def counted(fold_: Fold, rank: int, message: Any) -> bool:
-            folded["n"] += 1
-            return await fold_in(fold_, rank, message)
-
-        coordinator._fold_in = counted  # type: ignore[method-assign]
         if not folding:
             coordinator._fold_for = lambda rank, message: None  # type: ignore[method-assign]
         endpoint = coordinator.bind()
@@ -101,20 +149,31 @@ def _train(*, folding: bool, poisoned: int | None) -> tuple[list[torch.Tensor], 
             coordinator.run(),
             *(_worker(endpoint, r, 2 if r == poisoned else None).run() for r in (0, 1)))
         weights = [w.clone() for w in coordinator.flat.weights]
-        return weights, summary, folded["n"]
+        return weights, summary, sum(used)
 
-    return asyncio.run(scenario())
+    used: list[int] = []  # what each step found folded already
+    serves = Fold.folded
+
+    def counted(self: Fold, version: int, alpha: float, ranks: Sequence[int]) -> int | None:
+        count = serves(self, version, alpha, ranks)
+        used.append(count or 0)
+        return count
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Fold, "folded", counted)
+        return asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("poisoned", [None, 0, 1], ids=["finite", "rank-0-nan", "rank-1-nan"])
 def test_a_run_that_folds_pushes_as_they_come_makes_the_same_bits(poisoned: int | None) -> None:
     """With folding, the coordinator folds pushes in as they come (at least worker 0's, the
-    first in rank order, every version); without it, it makes each step at the end: the
-    same weights, bit for bit. A NaN gradient (finite loss) is dropped as not finite either
-    way, and its worker computes again."""
+    first in rank order, every version), and its steps go on from there; without it, it
+    makes each step at the end: the same weights, bit for bit. A NaN gradient (finite
+    loss, in the last layer: past the first blocks) is dropped as not finite either way,
+    and its worker computes again."""
     want, plain, none_folded = _train(folding=False, poisoned=poisoned)
     got, summary, folded = _train(folding=True, poisoned=poisoned)
-    assert none_folded == 0 and folded >= 8
+    assert none_folded == 0 and folded >= 8  # pushes the steps found folded already
     assert summary["steps"] == plain["steps"] == 8
     dropped = {} if poisoned is None else {"not_finite": 1}
     assert summary["dropped"] == plain["dropped"] == dropped
