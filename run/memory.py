@@ -11,7 +11,7 @@ page in again (the kernel clears each one), step after step:
   heaps of at most 64 MiB: a block that does not fit in the thread's first heap gets a heap
   of its own, which glibc unmaps as soon as the block is freed, unless the top pad says to
   keep that much. With the 10M-parameter MLP the 32 MB gradient of the middle layer went
-  this way every other step: 7767 faults each time (tests/test_hot_path.py), about 3.7 ms
+  this way every other step: 7767 faults each time (tests/test_hot_path.py), up to 4.5 ms
   of CPU a step in the kernel's page clearing (`perf`, benchmarks/cpu_profile.py).
 
 Raising all three keeps the blocks: memory freed once is held for the next step, at the
