@@ -13,7 +13,7 @@ read once, straight from the frames. `whole` joins them (a copy) for cold paths 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -106,13 +106,10 @@ def fold(out: torch.Tensor, base: torch.Tensor | None, tensors: Sequence[Receive
         end = min(stop, start + block)
         place = out[start:end]
         first = base[start:end] if base is not None else place
-        for i, walker in enumerate(walkers):
-            for lo, part in walker.cover(start, end):
-                at = place[lo - start : lo - start + part.numel()]
-                source = first[lo - start : lo - start + part.numel()] if i == 0 else at
-                torch.add(source, part, alpha=alpha, out=at)
-        if not walkers and base is not None:
+        if not walkers:
             place.copy_(first)
+        for i, walker in enumerate(walkers):
+            _fold_block(place, first if i == 0 else place, walker.cover(start, end), start, alpha)
 
 
 def fold_checked(out: torch.Tensor, base: torch.Tensor | None, tensor: Received, alpha: float,
@@ -124,23 +121,29 @@ def fold_checked(out: torch.Tensor, base: torch.Tensor | None, tensor: Received,
     it hold the tensor already, and the caller builds them again without it (`fold` with
     `stop`). A finite sum proves a block finite; one that overflowed is looked at element
     by element (see all_finite)."""
-    walker = _Walker(tensor) if tensor.numel() == out.numel() else None
-    if walker is None:
-        raise ValueError(f"a tensor of {tensor.numel()} elements for a buffer of {out.numel()}")
+    (walker,) = _walkers(out.numel(), [tensor])
     for start in range(0, out.numel(), block):
         end = min(out.numel(), start + block)
         cover = list(walker.cover(start, end))
         if tensor.is_floating_point() and not all(_finite(part) for _, part in cover):
             return start
         place = out[start:end]
-        first = base[start:end] if base is not None else place
-        for lo, part in cover:
-            at = place[lo - start : lo - start + part.numel()]
-            torch.add(first[lo - start : lo - start + part.numel()], part, alpha=alpha, out=at)
+        _fold_block(place, base[start:end] if base is not None else place, cover, start, alpha)
     return None
 
 
+def _fold_block(place: torch.Tensor, first: torch.Tensor, cover: Iterable[tuple[int, torch.Tensor]],
+                start: int, alpha: float) -> None:
+    """place = first + alpha * the tensor's parts over this block (`cover`, from `start`),
+    one kernel call per part: `fold` and `fold_checked` cut alike through here."""
+    for lo, part in cover:
+        at = slice(lo - start, lo - start + part.numel())
+        torch.add(first[at], part, alpha=alpha, out=place[at])
+
+
 def _finite(part: torch.Tensor) -> bool:
+    """A finite sum proves every element finite (one NaN or inf makes the sum NaN or inf);
+    only a sum that overflowed is checked element by element."""
     return math.isfinite(float(part.sum())) or bool(torch.isfinite(part).all())
 
 
@@ -204,15 +207,6 @@ class _Walker:
 
 
 def all_finite(tensor: Received) -> bool:
-    """True unless some element is NaN or infinite; allocates nothing the tensor's size.
-
-    A finite sum proves every element finite (one NaN or inf makes the sum NaN or inf); only
-    a sum that overflowed is checked element by element, a part at a time.
-    """
-    if not tensor.is_floating_point():
-        return True
-    for _, part in spans(tensor):
-        overflowed = part.numel() and not math.isfinite(float(part.sum()))
-        if overflowed and not bool(torch.isfinite(part).all()):
-            return False
-    return True
+    """True unless some element is NaN or infinite; allocates nothing the tensor's size
+    (a part at a time, see `_finite`)."""
+    return not tensor.is_floating_point() or all(_finite(part) for _, part in spans(tensor))

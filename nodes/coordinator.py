@@ -50,7 +50,7 @@ from nodes import changes as changed
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
 from nodes.flat import FlatModel
-from nodes.fold import Fold, next_to_fold
+from nodes.fold import Fold, next_to_fold, step_alpha
 from nodes.membership import Member, Membership
 from nodes.metrics import Metrics
 from nodes.shards import ShardModel
@@ -706,12 +706,12 @@ class Coordinator:
         (nodes.fold) goes on from there."""
         lr = self._plain_lr()
         fold, self._fold = self._fold, None
-        folded = None
-        if fold is not None and lr is not None:
-            folded = fold.folded(self.version, -lr * scale / len(updates), ranks)
+        folded = (fold.folded(self.version, step_alpha(lr, scale, len(updates)), ranks)
+                  if fold is not None and lr is not None else None)
         if fold is not None and folded is None:
-            self._pool.release(fold.into, [])
-        into = fold.into if fold is not None and folded is not None else (
+            self._pool.release(fold.into, [])  # it cannot serve this step
+            fold = None
+        into = fold.into if fold is not None else (
             self._pool.take() if self._into_spare(lr) else None)
         if into is None:
             self._own_master()
@@ -784,7 +784,7 @@ class Coordinator:
             if self._touched is not None:
                 self._sparse_step(updates, scale, lr)
             else:  # into the spare set, or in place (a caller's own step): the same bits
-                alpha = -lr * scale / len(updates)  # as nodes.fold's, bit for bit
+                alpha = step_alpha(lr, scale, len(updates))  # as nodes.fold's
                 with torch.no_grad():
                     for b, weights in enumerate(self.flat.weights):
                         out = into[b] if into is not None else weights
@@ -810,7 +810,7 @@ class Coordinator:
         if (lr is None or quorum is None or not self._into_spare(lr)
                 or message.version != self.version or self.state is State.STOPPING):
             return None
-        alpha = -lr * 1.0 / quorum  # as the step's, bit for bit (scale 1)
+        alpha = step_alpha(lr, 1.0, quorum)  # as the step's (sync's scale is 1)
         if self._fold is not None and (self._fold.version != self.version
                                        or self._fold.alpha != alpha):
             self._let_go_of_fold()  # of an older version, or the quorum changed

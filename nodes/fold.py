@@ -34,6 +34,12 @@ import torch
 from bus.pieces import BLOCK, Received, fold, fold_checked
 
 
+def step_alpha(lr: float, scale: float, count: int) -> float:
+    """The alpha of a plain SGD step over `count` updates (times `scale`): one expression for
+    the fold and the step, so that both use the same float."""
+    return -lr * scale / count
+
+
 def next_to_fold(folded: Sequence[int], rank: int, members: Sequence[int]) -> bool:
     """Whether `rank`'s push is the next to fold after `folded`: the lowest of the live
     `members` not folded yet (any lower one may still push, and the step adds it first)."""
@@ -57,9 +63,6 @@ class Fold:
     ranks: list[int] = field(default_factory=list)  # folded, in rank order
     updates: list[tuple[Received, ...]] = field(default_factory=list)  # theirs, in that order
     block: int = BLOCK  # elements folded while in cache (bus.pieces.fold)
-
-    def takes(self, rank: int, members: Sequence[int]) -> bool:
-        return next_to_fold(self.ranks, rank, members)
 
     def add(self, master: Sequence[torch.Tensor], rank: int, update: tuple[Received, ...]) -> bool:
         """Fold one push in (checking it finite on the way); False if it is not finite,

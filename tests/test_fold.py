@@ -22,7 +22,7 @@ from torch import nn
 from bus.messages import Push
 from bus.pieces import fold
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from nodes.fold import Fold
+from nodes.fold import Fold, next_to_fold
 from strategies import Sync
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,13 +32,11 @@ LR = 0.05
 
 
 def test_pushes_are_taken_in_rank_order_of_the_live_members() -> None:
-    fold_ = Fold(3, -0.01, (torch.zeros(4),))
-    assert not fold_.takes(1, [0, 1, 2])  # worker 0 may still push: it comes first
-    assert fold_.takes(0, [0, 1, 2])
-    fold_.ranks.append(0)
-    assert fold_.takes(1, [0, 1, 2]) and not fold_.takes(2, [0, 1, 2])
-    assert not fold_.takes(0, [0, 1, 2])  # once only
-    assert fold_.takes(2, [0, 2])  # worker 1 left: 2 is next
+    assert not next_to_fold([], 1, [0, 1, 2])  # worker 0 may still push: it comes first
+    assert next_to_fold([], 0, [0, 1, 2])
+    assert next_to_fold([0], 1, [0, 1, 2]) and not next_to_fold([0], 2, [0, 1, 2])
+    assert not next_to_fold([0], 0, [0, 1, 2])  # once only
+    assert next_to_fold([0], 2, [0, 2])  # worker 1 left: 2 is next
 
 
 @pytest.mark.parametrize(("bucket", "where"), [(0, 50), (1, 7), (0, 0)])
