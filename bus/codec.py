@@ -4,6 +4,8 @@ Frame 0 is a msgpack header: {"p": protocol, "k": kind, "s": sender, "r": reques
 "v": version, "t": [[dtype, shape, nbytes, chunk], ...], "f": {the kind's own fields}}.
 Then come the raw bytes of the message's flat tensors, in header order, each tensor cut into
 frames of `chunk` bytes (the last one shorter): ceil(nbytes / chunk) frames, at least one.
+A tensor sent by reference (in shared memory, to a process on the same host: `bus.shared`)
+has a fifth entry, [segment, offset], and no frames.
 ZeroMQ moves large tensors fastest as frames of about a megabyte (see `bus.pieces`); the
 sender evens the chunks out where the last one would be under 64 KiB (`_chunk`).
 
@@ -15,14 +17,16 @@ Neither direction copies tensor bytes:
   `copy=False` and must not write those tensors until ZeroMQ is done with the frames
   (see `bus.buffers`).
 - `decode` returns tensors made by `torch.frombuffer` over the received frames; they share
-  the frames' memory and keep them alive for as long as they live. A tensor of more than
+  the frames' memory and keep them alive for as long as they live. A tensor by reference
+  is a read-only view of the sender's segment (`bus.shared.Shelf`): the sender's memory,
+  which it does not write until the receiver is done (the rule in `bus.shared`). A tensor of more than
   one frame comes back as `bus.pieces.Pieces`, one 1-D tensor a frame.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgpack
@@ -43,6 +47,7 @@ from bus.errors import (
 from bus.layout import Layout
 from bus.messages import PROTOCOL_VERSION, SCHEMA, Kind, Message
 from bus.pieces import Pieces, Received
+from bus.shared import Ref, SharedTensorError, Shelf
 
 # The dtypes a tensor frame may have; anything else is refused before it is read.
 DTYPES: Final[dict[str, torch.dtype]] = {
@@ -78,8 +83,11 @@ _INT64_MAX: Final = 2**63 - 1
 Buffer = bytes | bytearray | memoryview
 
 
-def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES) -> list[Buffer | np.ndarray]:
-    """Turn a message into frames: the header, then each tensor's bytes in chunks (not copied)."""
+def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
+           refer: Callable[[torch.Tensor], Ref | None] | None = None) -> list[Buffer | np.ndarray]:
+    """Turn a message into frames: the header, then each tensor's bytes in chunks (not copied).
+    A tensor that `refer` places (in shared memory the receiver reads: bus.shared) goes as
+    its place instead."""
     specs = []
     frames: list[Buffer | np.ndarray] = [b""]
     for tensor in message.tensors:
@@ -92,6 +100,10 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES) -> list[Buffer |
             raise ValueError("tensors on the wire must be contiguous CPU tensors")
         nbytes = tensor.numel() * tensor.element_size()
         chunk = _chunk(nbytes, chunk_bytes, tensor.element_size())
+        ref = refer(tensor) if refer is not None and nbytes else None
+        if ref is not None:
+            specs.append([name, list(tensor.shape), nbytes, chunk, ref])
+            continue
         specs.append([name, list(tensor.shape), nbytes, chunk])
         if not nbytes:
             frames.append(b"")
@@ -129,8 +141,10 @@ def decode(
     *,
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     layout: Layout | None = None,
+    shelf: Shelf | None = None,
 ) -> Message:
-    """Validate frames and build the message; raise a WireError subclass if anything is off."""
+    """Validate frames and build the message; raise a WireError subclass if anything is off.
+    Tensors by reference are read through `shelf`; without one, they are refused."""
     if not frames:
         raise MalformedHeaderError("no frames")
     header = _unpack_header(frames[0])
@@ -140,14 +154,15 @@ def decode(
     request = request if type(request) is int and 0 <= request <= _INT64_MAX else 0
     try:
         _check_header(header)
-        return _decode(header, frames, max_bytes, layout)
+        return _decode(header, frames, max_bytes, layout, shelf)
     except WireError as e:
         e.request = request  # so that the Reject reaches the request that waits for it
         raise
 
 
 def _decode(
-    header: dict[str, Any], frames: Sequence[Buffer], max_bytes: int, layout: Layout | None
+    header: dict[str, Any], frames: Sequence[Buffer], max_bytes: int, layout: Layout | None,
+    shelf: Shelf | None,
 ) -> Message:
     kind = _kind(header)
     cls, own_fields = SCHEMA[kind]
@@ -179,6 +194,12 @@ def _decode(
     tensors: list[Received] = []
     first = 1
     for spec in specs:
+        if spec.ref is not None:
+            if shelf is None:
+                raise SharedTensorError("a tensor by reference (shared memory), which this node "
+                                        "does not take: send the bytes")
+            tensors.append(shelf.view(spec.ref, spec.nbytes, spec.dtype).view(spec.shape))
+            continue
         tensors.append(_tensor(frames[first : first + spec.frames], spec))
         first += spec.frames
     return cls(**envelope, tensors=tuple(tensors), **values)
@@ -252,11 +273,13 @@ def _fields(raw: object, expected: dict[str, type]) -> dict[str, Any]:
 class _Spec:
     """One tensor's header entry, checked: its frames are `chunk` bytes each, the last shorter."""
 
-    __slots__ = ("chunk", "dtype", "frames", "nbytes", "shape")
+    __slots__ = ("chunk", "dtype", "frames", "nbytes", "ref", "shape")
 
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, chunk: int) -> None:
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, chunk: int,
+                 ref: object = None) -> None:
         self.dtype, self.shape, self.nbytes, self.chunk = dtype, shape, nbytes, chunk
-        self.frames = max(-(-nbytes // chunk), 1)
+        self.ref = ref  # [segment, offset] of a tensor by reference, checked by the Shelf
+        self.frames = max(-(-nbytes // chunk), 1) if ref is None else 0
 
     def frame_bytes(self, j: int) -> int:
         return min(self.chunk, self.nbytes - j * self.chunk)
@@ -271,9 +294,10 @@ def _tensor_specs(raw: object, carries_tensors: bool) -> list[_Spec]:
         raise MalformedHeaderError(f"{len(raw)} tensors, at most {MAX_TENSORS}")
     specs = []
     for i, spec in enumerate(raw):
-        if not (isinstance(spec, list) and len(spec) == 4):
-            raise MalformedHeaderError(f"tensor {i}: spec must be [dtype, shape, nbytes, chunk]")
-        name, shape, nbytes, chunk = spec
+        if not (isinstance(spec, list) and len(spec) in (4, 5)):
+            raise MalformedHeaderError(
+                f"tensor {i}: spec must be [dtype, shape, nbytes, chunk] (and [segment, offset])")
+        name, shape, nbytes, chunk = spec[:4]
         if type(name) is not str or name not in DTYPES:
             raise DtypeError(name)
         dtype = DTYPES[name]
@@ -294,7 +318,10 @@ def _tensor_specs(raw: object, carries_tensors: bool) -> list[_Spec]:
             raise MalformedHeaderError(
                 f"tensor {i}: chunk of {quote(chunk)} bytes: a whole number of elements, at "
                 f"least {MIN_CHUNK_BYTES} bytes unless the tensor fits in one")
-        specs.append(_Spec(dtype, tuple(shape), nbytes, max(chunk, 1)))
+        ref = spec[4] if len(spec) == 5 else None
+        if ref is not None and not nbytes:
+            raise MalformedHeaderError(f"tensor {i}: an empty tensor by reference")
+        specs.append(_Spec(dtype, tuple(shape), nbytes, max(chunk, 1), ref))
     return specs
 
 

@@ -17,8 +17,9 @@ from typing import ClassVar, Final
 
 from bus.pieces import Received
 
-# 2: pushes carry telemetry, acks the time held; 3: chunked tensors; 4: Changes
-PROTOCOL_VERSION: Final = 4
+# 2: pushes carry telemetry, acks the time held; 3: chunked tensors; 4: Changes;
+# 5: tensors by reference (bus.shared) and the Welcome's offer of them
+PROTOCOL_VERSION: Final = 5
 
 
 def _build() -> str:
@@ -148,6 +149,7 @@ class Welcome(Message):
     lr: float  # for a worker that owns its optimizer and the SPEC gives none
     position: int = 0  # batches of its shard this rank had used (after a restart), to skip
     compress: str = ""  # how to push gradients: bus.layout.Compression ("": as they are)
+    shared: str = ""  # takes tensors by reference: its bus.shared.Probe's offer ("": does not)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,6 +44,9 @@ class CoordinatorConfig:
     # workers are told there are world_size data shards (the whole tree's workers).
     first_rank: int = 0
     world_size: int | None = None
+    # Take the tensors of workers on this host by reference, from their shared memory,
+    # rather than as bytes over the socket (bus.shared); a worker elsewhere sends bytes.
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.first_rank < 0:
@@ -89,6 +92,9 @@ class WorkerConfig:
     reconnect_timeout_s: float = 60.0
     faults: Faults = field(default_factory=Faults)  # injected faults, for experiments
     keys: ClientKeys | None = None  # CURVE: needed when the coordinator has keys
+    # Push gradients by reference, from shared memory, to a coordinator on this host that
+    # takes them (bus.shared), where the strategy waits for every version (sync, average).
+    shared_memory: bool = True
 
     @property
     def endpoints(self) -> tuple[str, ...]:

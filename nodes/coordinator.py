@@ -45,6 +45,7 @@ from bus.messages import (
     Welcome,
 )
 from bus.pieces import Received, all_finite, fold, sum_into, whole
+from bus.shared import Probe, Shelf
 from bus.transport import Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
@@ -249,6 +250,10 @@ class Coordinator:
         self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
         self._max_bytes = self.flat.layout.nbytes + 65536
         self._server: ZmqServer | None = None
+        # Workers on this host push by reference (bus.shared): the proof of our /dev/shm
+        # we offer them, and the segments of theirs we read from.
+        self._probe: Probe | None = None
+        self._shelf: Shelf | None = None
         self._done: asyncio.Future[None] | None = None
         self._started_at = 0.0
         self._stop_deadline = 0.0
@@ -302,6 +307,12 @@ class Coordinator:
                 keys=self.config.keys, hub=self._hub,
             )
             log.info("listening on %s (broadcasts on port %d)", self.endpoint, self._server.pub_port)
+            if self.config.shared_memory:
+                try:
+                    self._probe, self._shelf = Probe(), Shelf()
+                except OSError as e:
+                    log.info("workers on this host push bytes, not references: no shared "
+                             "memory here (%s)", e)
         return self.endpoint
 
     async def run(self, *, before_evaluate: Awaitable[Any] | None = None) -> dict[str, Any]:
@@ -332,6 +343,8 @@ class Coordinator:
             if self._server.rejected:  # CURVE handshakes of unlisted keys
                 self.metrics.rejected["handshake"] = self._server.rejected
             self._server.close()
+            if self._probe is not None:
+                self._probe.close()
             self.watch.close()
         if self._failure is not None:
             self.metrics.close()
@@ -426,7 +439,8 @@ class Coordinator:
         while True:
             peer, frames = await self._server.recv()
             try:
-                message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout)
+                message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout,
+                                 shelf=self._shelf)
             except WireError as e:
                 self.metrics.rejected[e.code.value] += 1
                 self._warn(peer, e.code.value, f"rejected a message from {self._name(peer)}: {e}")
@@ -529,6 +543,7 @@ class Coordinator:
             wait=rhythm.wait.value, batch_size=self.config.batch_size, pub_port=self._pub_port(),
             heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,
             position=self._positions.get(admitted.rank, 0), compress=self.config.compress,
+            shared=self._probe.offer if self._probe is not None else "",
         )
         await self._refresh_snapshot()
         await self._send_weights(peer, welcome)
@@ -555,6 +570,8 @@ class Coordinator:
         if fold is not None and finite and Keep(member.rank, message.version) not in decisions:
             self._let_go_of_fold()  # folded, but not taken: the step must not count it
         self.metrics.worker(member.rank)["pushes"] += 1
+        if self._shelf is not None and message.tensors and self._shelf.holds(message.tensors[0]):
+            self.metrics.worker(member.rank)["by_reference"] += 1
         self.watch.pushed(member.rank, message, time.time())
         dropped = ""
         for decision in decisions:

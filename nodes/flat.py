@@ -36,6 +36,7 @@ from bus.layout import Layout, Span
 from bus.pieces import Received, copy_into
 
 OnReady = Callable[[int], None]
+Allocate = Callable[[Sequence[tuple[int, torch.dtype]]], tuple[torch.Tensor, ...]]
 
 
 class FlatModel:
@@ -52,6 +53,7 @@ class FlatModel:
         self._grad_sets: list[tuple[torch.Tensor, ...]] = []
         self.host_grad_sets: list[tuple[torch.Tensor, ...]] = []
         self._grad_views: list[list[torch.Tensor]] = []
+        self._allocate_grads: Allocate | None = None  # see share_grads
         self.use_grad_sets(1)
         self.current = 0  # the gradient set the next backward fills
         with torch.no_grad():
@@ -89,11 +91,29 @@ class FlatModel:
         if count not in (1, 2):
             raise ValueError(f"1 or 2 gradient sets, not {count}")
         while len(self._grad_sets) < count:
-            grads = self._allocate(self.device)
+            grads = (self._allocate(self.device) if self._allocate_grads is None
+                     else self._allocate_grads([(b.numel, b.dtype) for b in self.layout.buckets]))
             self._grad_sets.append(grads)
             on_cpu = self.device.type == "cpu"
             self.host_grad_sets.append(grads if on_cpu else self._allocate(None, pin=True))
             self._grad_views.append(self.layout.views(grads))
+
+    def share_grads(self, allocate: Allocate) -> None:
+        """Keep the gradient sets in buffers that `allocate` makes from (numel, dtype) pairs
+        (shared memory: bus.shared), these and any made later; on the CPU only. Raises what
+        `allocate` raises (OSError), and then the sets are as they were."""
+        if self.device.type != "cpu":
+            raise ValueError("shared gradient buffers are for a model on the CPU")
+        count, kept = len(self._grad_sets), (self._grad_sets, self.host_grad_sets, self._grad_views)
+        self._grad_sets, self.host_grad_sets, self._grad_views = [], [], []
+        self._allocate_grads = allocate
+        try:
+            self.use_grad_sets(count)
+        except BaseException:
+            self._grad_sets, self.host_grad_sets, self._grad_views = kept
+            self._allocate_grads = None
+            raise
+        self._bind_grads()
 
     def swap(self) -> None:
         """Make the next gradient set current: the last one may still be on the wire while

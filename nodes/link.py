@@ -28,7 +28,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -63,6 +63,7 @@ from bus.messages import (
 )
 from bus.pieces import copy_into
 from bus.security import ClientKeys
+from bus.shared import Probe, Ref
 from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, Hub, ZmqClient
 from nodes import changes as changed
 
@@ -136,6 +137,8 @@ class Link:
         self._request_timeout_s = request_timeout_s
         self._pub_port: int | None = None  # the port the SUB is connected to
         self._announced_port = 0  # the broadcast port the last Welcome named
+        # The coordinator takes tensors by reference, and sees our /dev/shm (bus.shared).
+        self.shared = False
 
     @property
     def peer(self) -> str:
@@ -195,6 +198,9 @@ class Link:
             self._request_timeout_s = min(self._config_request_timeout_s, reply.timeout_s)
             self.seen = time.monotonic()
             self._announced_port = reply.pub_port
+            # In process, frames go by reference already (inproc, zero copy).
+            self.shared = (bool(reply.shared) and not self.endpoint.startswith("inproc://")
+                           and Probe.seen(reply.shared))
             return reply
 
     def session(self) -> list[Coroutine[Any, Any, None]]:
@@ -337,10 +343,12 @@ class Link:
         return reply
 
     async def request_tracked(
-        self, message: Message, *, timeout: float | None = None, patient: bool = False
+        self, message: Message, *, timeout: float | None = None, patient: bool = False,
+        refer: Callable[[torch.Tensor], Ref | None] | None = None,
     ) -> tuple[Message, Tracker | None]:
         """Send a request and wait for its answer: within `timeout` (default: the request
-        timeout), or, if `patient`, for as long as the coordinator keeps beating."""
+        timeout), or, if `patient`, for as long as the coordinator keeps beating. Tensors
+        that `refer` places go by reference (bus.shared), the others as frames."""
         assert self._client is not None
         request = next(self._requests)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -349,7 +357,8 @@ class Link:
         what = f"{message.KIND.name.lower()} (request {request})"
         try:
             # The send has a deadline too: a DEALER whose peer is gone blocks in send.
-            tracker = await within(self._client.send(encode(replace(message, request=request))),
+            frames = encode(replace(message, request=request), refer=refer)
+            tracker = await within(self._client.send(frames),
                                    seconds, peer=self.peer, waiting_for=f"sending {what}")
             if patient:
                 reply = await self._while_alive(future, waiting_for=what)

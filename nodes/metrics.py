@@ -4,7 +4,8 @@ The summary holds at least what DESIGN.md lists (strategy, workers, steps, wall_
 final_loss, dropped, max_staleness, max_clock_gap) plus whatever `evaluate` returned, the
 versions broadcast (fewer than the versions made where updates came faster than the
 weights could go out: a version overtaken before it left is not sent),
-and per worker: updates pushed, applied and dropped, seconds held back by the strategy, and
+and per worker: updates pushed (and of those, pushed by reference from shared memory:
+`bus.shared`), applied and dropped, seconds held back by the strategy, and
 the seconds it reported computing, communicating and waiting (see `nodes.telemetry`).
 Training time (`train_s`) runs from the opening of the start gate to the stop, so that
 start-up (processes importing torch, loading data) is not counted as training.
@@ -46,7 +47,8 @@ class Metrics:
     def worker(self, rank: int) -> dict[str, float]:
         """The counters of one worker, made on first use."""
         if rank not in self.per_worker:
-            self.per_worker[rank] = {"joins": 0, "pushes": 0, "applied": 0, "dropped": 0,
+            self.per_worker[rank] = {"joins": 0, "pushes": 0, "by_reference": 0,
+                                     "applied": 0, "dropped": 0,
                                      "held_s": 0.0, "compute_s": 0.0, "comm_s": 0.0,
                                      "wait_s": 0.0}
         return self.per_worker[rank]

@@ -34,6 +34,7 @@ from bus.buffers import Tracker, wait_sent
 from bus.errors import PeerTimeoutError, RejectedError
 from bus.layout import Compression
 from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Welcome
+from bus.shared import Arena, Ref
 from bus.transport import Hub
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
@@ -118,6 +119,10 @@ class Worker:
         self._handover = handover if self.device.type == "cpu" else None
         self._sharing = False  # this session binds the model to the handover's sets
         self._own = self.flat.weights  # the model's private buffers
+        # The gradient sets in shared memory, once a coordinator on this host takes them by
+        # reference (bus.shared); None: not yet, or not possible here (_shared_grads).
+        self._arena: Arena | None = None
+        self._no_arena = not config.shared_memory or self.device.type != "cpu"
 
     @property
     def version(self) -> int:
@@ -144,6 +149,8 @@ class Worker:
         finally:
             for link in self.links:
                 await link.close()
+            if self._arena is not None:
+                self._arena.close()  # the files go; the buffers stay mapped while used
         return WorkerReport(self.rank, self.clock, self._last_loss, self.version, self.rejoins)
 
     async def _sessions(self) -> None:
@@ -254,6 +261,11 @@ class Worker:
         early = not weights_pushed and welcome.local_steps == 1
         # What goes on the wire, per gradient set and shard, filled as backward finishes
         # each range: gradients as they are, narrowed or top-k (--compress), or weights.
+        # By reference, the buffers pushed are read where they lie until every shard has
+        # answered and published a newer version (bus.shared): only where the loop waits
+        # for both before the next backward writes them, as it does under Wait.NEWER.
+        refer = (self._shared_grads() if wait is Wait.NEWER and not pipelined
+                 and any(link.shared for link in self.links) else None)
         outbox = Outbox(self.flat, self._shards, Compression.parse(welcome.compress),
                         weights=weights_pushed)
         self._outbox, parts = outbox, outbox.parts
@@ -294,7 +306,8 @@ class Worker:
                     previous = None
                 pushes = asyncio.ensure_future(asyncio.gather(*(
                     self._push_when_ready(link, ready[i], compute, computed_on[i], clock,
-                                          parts[current][i], began, started, comm_s, wait_s)
+                                          parts[current][i], began, started, comm_s, wait_s,
+                                          refer if link.shared else None)
                     for i, link in enumerate(self.links))))
                 async with _cancelling(pushes):
                     self._last_loss = (await compute)[0]
@@ -323,7 +336,7 @@ class Worker:
     async def _push_when_ready(
         self, link: Link, ready: asyncio.Future[None], compute: asyncio.Future[tuple[float, int]],
         version: int, clock: int, part: tuple[torch.Tensor, ...], began: float, started: float,
-        comm_s: float, wait_s: float,
+        comm_s: float, wait_s: float, refer: Callable[[torch.Tensor], Ref | None] | None,
     ) -> tuple[Message, Tracker | None]:
         """Send this shard its part once backward has finished it (or the compute is over)
         and return its answer. The answer may be held back by the strategy (ssp's bound):
@@ -337,7 +350,23 @@ class Worker:
         push = Push(sender=self.rank, version=version, clock=clock, loss=loss,
                     samples=samples, tensors=part, began=began,
                     compute_s=time.monotonic() - started, comm_s=comm_s, wait_s=wait_s)
-        return await link.request_tracked(push, patient=True)
+        return await link.request_tracked(push, patient=True, refer=refer)
+
+    def _shared_grads(self) -> Callable[[torch.Tensor], Ref | None] | None:
+        """Where the gradient sets lie in shared memory (moved there on first use), or None
+        if they cannot be there: pushes then carry the bytes."""
+        if self._arena is None and not self._no_arena:
+            arena = Arena()
+            try:
+                self.flat.share_grads(arena.allocate)
+            except OSError as e:
+                arena.close()
+                self._no_arena = True
+                log.warning("worker %d: pushes carry their bytes: no room for the gradients "
+                            "in shared memory (%s)", self.rank, e)
+            else:
+                self._arena = arena
+        return self._arena.locate if self._arena is not None else None
 
     def _waits(self, acks: list[Message], computed_on: list[int], wait: Wait) -> list[tuple[Link, int]]:
         """What to wait for, shard by shard, once pushes are answered: the strategy's rhythm

@@ -160,6 +160,7 @@ def _worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(connect=args.connect, rank=args.rank, device=_device(args.device),
                           join_timeout_s=args.join_timeout, faults=parse_worker(args.fault),
                           reconnect_timeout_s=args.reconnect_timeout,
+                          shared_memory=not args.no_shared_memory,
                           keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
     worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config,
                     optimizer=spec.optimizer)
@@ -242,7 +243,7 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
         trace=args.trace, compress=args.compress or "", shards=_shards(args),
-        colocate=getattr(args, "colocate", False),
+        colocate=getattr(args, "colocate", False), shared_memory=not args.no_shared_memory,
     )
 
 
@@ -296,6 +297,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
         p.add_argument("--debug", action="store_true", help="print the traceback of an error")
 
+    def shared_memory(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-shared-memory", action="store_true",
+                       help="push gradients as bytes over the socket even to a coordinator "
+                            "on this host (by default they go by reference, from shared "
+                            "memory, where the strategy waits for every version)")
+
     def training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> None:
         p.add_argument("--workers", type=int, required=not workers_from_env,
                        help="workers to train with" + (" (default: WORLD_SIZE)"
@@ -338,6 +345,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="push gradients in bf16 or fp16 (half the bytes), or as the "
                             "largest R of their elements (topk:0.01: 1%%, with error "
                             "feedback); the coordinator keeps fp32 weights (sync, ssp, async)")
+        shared_memory(p)
         p.add_argument("--eval-every", type=float, metavar="SECONDS",
                        help="copy the weights every SECONDS of training and evaluate the copies "
                             "after training (accuracy against time, in --metrics)")
@@ -418,6 +426,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="keep trying to join this long, in seconds (default 300)")
     worker.add_argument("--keys", type=Path, metavar="DIR",
                         help="CURVE: DIR holds coordinator.key and this worker's NAME.key_secret")
+    shared_memory(worker)
     worker.add_argument("--key-name", default="worker", metavar="NAME",
                         help="which key pair of DIR is this worker's (default: worker)")
     worker.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="SECONDS",

@@ -118,7 +118,8 @@ def worker_config(options: RunOptions, *, rank: int, endpoints: list[str], devic
     faults = parse_local(options.faults, options.workers).get(rank, [])
     keys = load_client_keys(options.keys, KEY_NAME) if options.keys is not None else None
     return WorkerConfig(connect=endpoints, rank=rank, device=device, faults=parse_worker(faults),
-                        join_timeout_s=options.join_timeout_s, keys=keys)
+                        join_timeout_s=options.join_timeout_s, keys=keys,
+                        shared_memory=options.shared_memory)
 
 
 class _Shards:

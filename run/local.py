@@ -102,6 +102,8 @@ async def _launch(
                 extra += ["--keys", str(options.keys)]
             if debug:
                 extra.append("--debug")
+            if not options.shared_memory:
+                extra.append("--no-shared-memory")
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "run", "worker", spec_source, "--connect", endpoint,
                 "--rank", str(rank), "--threads", str(per_worker), "--log-level", log_level,

@@ -54,6 +54,8 @@ class RunOptions:
     shards: int = 1  # coordinator shards, each owning a range of the parameters
     # `local` only: each worker process serves one coordinator shard (nodes.colocated).
     colocate: bool = False
+    # Workers push gradients to a coordinator on this host from shared memory (bus.shared).
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -201,6 +203,7 @@ def coordinator_config(
         keys=load_server_keys(options.keys) if options.keys is not None else None,
         trace=options.trace if first else None,
         compress=options.compress,
+        shared_memory=options.shared_memory,
     )
 
 

@@ -149,6 +149,7 @@ SAMPLES = {
     Kind.WELCOME: Welcome(sender=COORDINATOR, request=11, version=7, rank=2, world_size=4,
                           strategy="ssp", push="weights", local_steps=3, wait="answered",
                           batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9, compress="bf16",
+                          shared="tensorbus-1-0123456789abcdef 00112233445566778899aabbccddeeff",
                           tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
@@ -377,7 +378,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, -1, 255, "4", None, [4]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, -1, 255, "5", None, [5]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
@@ -582,7 +583,8 @@ def test_tensor_count_at_the_limit_is_accepted():
 
 
 @pytest.mark.parametrize(
-    "spec", [["float32", [6], 24], ["float32", [6], 24, 4096, 0], "float32", {"d": "float32"},
+    "spec", [["float32", [6], 24], ["float32", [6], 24, 4096, ["tensorbus-1-0123456789abcdef", 0], 0],
+             "float32", {"d": "float32"},
              None, []]
 )
 def test_tensor_spec_not_a_quadruple(spec):

@@ -32,14 +32,26 @@ def _summary(done: subprocess.CompletedProcess[str]) -> dict:
 
 
 def test_colocated_gives_the_figures_of_a_central_coordinator(tmp_path: Path) -> None:
+    """... and so do both with the gradients pushed as bytes, not from shared memory
+    (bus.shared): every push to a shard in another process goes by reference, by default;
+    none with --no-shared-memory; and no segment is left in /dev/shm."""
     workers = 2  # 3 are compared with one coordinator in tests/test_colocated.py
     spec = _spec(tmp_path, "colocated")
+    segments = set(Path("/dev/shm").glob("tensorbus-*"))
     common = ["local", str(spec), "--workers", str(workers), "--steps", "40", *FAST]
     central = _summary(_run(common))
     colocated = _summary(_run([*common, "--colocate", "--metrics", str(tmp_path / "m.jsonl")]))
+    as_bytes = [_summary(_run([*common, *extra, "--no-shared-memory"]))
+                for extra in ([], ["--colocate"])]
     for key in ("steps", "final_loss", "accuracy", "test_loss"):
-        assert colocated[key] == central[key], key
+        assert colocated[key] == central[key] == as_bytes[0][key] == as_bytes[1][key], key
     assert colocated["colocated"] == workers
+    # Shard 0's figures: worker 0 reaches it in process (inproc, no copy), worker 1 by reference.
+    pushed = [(w["pushes"], w["by_reference"]) for w in colocated["per_worker"].values()]
+    assert pushed == [(pushed[0][0], 0), (pushed[1][0], pushed[1][0])] and pushed[1][0] >= 40
+    assert all(w["by_reference"] == w["pushes"] > 0 for w in central["per_worker"].values())
+    assert all(w["by_reference"] == 0 for run in as_bytes for w in run["per_worker"].values())
+    assert set(Path("/dev/shm").glob("tensorbus-*")) == segments
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert lines[-1]["event"] == "summary" and lines[-1]["accuracy"] == central["accuracy"]
     assert _left_running(CHILD) == []

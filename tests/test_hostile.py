@@ -78,6 +78,7 @@ from bus.messages import (
     Weights,
     Welcome,
 )
+from bus.shared import Shelf
 from bus.transport import ZmqClient
 from nodes import Coordinator, CoordinatorConfig, State, Worker, WorkerConfig
 from strategies import Sync
@@ -664,11 +665,13 @@ class _LyingMember(ZmqClient):
         super().__init__(connect, **options)
         self._layout, self._lies, self._answers = layout, lies, answers
         self._previous: Push | None = None  # the worker's last push, copied
+        self._shelf = Shelf()
 
     async def send(self, frames: Any) -> Any:
         header = msgpack.unpackb(frames[0])
         if header["k"] == Kind.PUSH and header["s"] == HOSTILE_RANK:
-            push = decode(frames, layout=self._layout)
+            # (The worker's pushes go by reference from shared memory: read them there.)
+            push = decode(frames, layout=self._layout, shelf=self._shelf)
             assert isinstance(push, Push)
             # Copied: the tensors are the worker's gradient buffer, written again later.
             real = replace(push, tensors=tuple(t.clone() for t in push.tensors))

@@ -1,0 +1,218 @@
+"""Tensors in shared memory, sent to a process on the same host by reference, not by bytes.
+
+Over tcp:// between two processes of one host, every byte of a push is copied twice by the
+kernel (into the socket and out of it), on the cores that training needs too: with 2
+colocated workers and the 10M-parameter MLP, 20 MB each way a version. A worker whose
+coordinator sees the same /dev/shm keeps its gradient buffers in shared memory instead
+(`Arena`), and a push names where each tensor lies, [segment, offset], in place of its
+bytes (`bus.codec`); the coordinator maps the segment once (`Shelf`) and reads the gradient
+where backward wrote it.
+
+Same host, proven: a coordinator that takes tensors by reference says so in its Welcome
+with the name of a small segment of its own and the random token in it (`Probe`); a worker
+sends by reference only to a coordinator whose token it reads there.
+
+Ownership: a coordinator reads a push's tensors until it has answered the push (the
+finiteness check, the fold) and, for a push it keeps, until the step that uses it, which
+comes before the version that step makes is published. So a worker writes buffers it
+pushed by reference again only once every coordinator it pushed them to has answered and
+published a newer version: that is, only where it waits for both anyway (sync and periodic
+averaging, `strategies.base.Wait.NEWER`), and never pipelined (see `nodes.worker`).
+
+Lifetime: the creator of a segment unlinks its file when it closes the arena, at exit, or,
+killed, through multiprocessing's resource tracker (a process of its own that outlives
+it). A mapping stays valid after the unlink for as long as tensors over it live. A receiver
+keeps the `Shelf.KEPT` segments it used last mapped.
+
+Where /dev/shm is missing, full or too small, `Arena.allocate` raises OSError (the space is
+reserved with posix_fallocate, so that a full /dev/shm fails there, not with a SIGBUS on a
+later write) and the worker sends the bytes, as over any other link.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import stat
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from multiprocessing import resource_tracker
+from pathlib import Path
+
+import torch
+
+from bus.errors import WireError
+
+ROOT = Path("/dev/shm")
+_NAME = re.compile(r"tensorbus-[0-9]{1,10}-[0-9a-f]{16}")
+_ALIGN = 4096  # each buffer of a set starts on a page
+_TOKEN_BYTES = 16
+
+Ref = list[str | int]  # [segment name, byte offset]: where a tensor lies, on the wire
+
+
+class SharedTensorError(WireError):
+    """A tensor sent by reference that this process cannot or may not read."""
+
+
+def _new_name() -> str:
+    return f"tensorbus-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+class _Segment:
+    """A file in /dev/shm of `nbytes`, created here and mapped read-write."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.name = _new_name()
+        path = ROOT / self.name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        try:
+            # The resource tracker unlinks it if this process dies before it does.
+            resource_tracker.register(f"/{self.name}", "shared_memory")
+            self._unlink = weakref.finalize(self, _unlink, self.name)
+            os.posix_fallocate(fd, 0, max(nbytes, 1))  # ENOSPC now, not SIGBUS later
+            self.map = mmap.mmap(fd, max(nbytes, 1))
+        except BaseException:
+            _unlink(self.name)
+            raise
+        finally:
+            os.close(fd)
+        self.nbytes = nbytes
+
+    def unlink(self) -> None:
+        self._unlink()
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(ROOT / name)
+    except FileNotFoundError:
+        pass
+    resource_tracker.unregister(f"/{name}", "shared_memory")
+
+
+class Arena:
+    """Buffer sets in shared memory, one segment a set, and where a tensor lies in them."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int, str]] = []  # (first byte, end, segment name)
+        self._segments: list[_Segment] = []
+
+    def allocate(self, buckets: Sequence[tuple[int, torch.dtype]]) -> tuple[torch.Tensor, ...]:
+        """Zeroed 1-D tensors of (numel, dtype), in one new segment; OSError if /dev/shm
+        cannot hold it."""
+        offsets, size = [], 0
+        for numel, dtype in buckets:
+            offsets.append(size)
+            size += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        segment = _Segment(size)
+        self._segments.append(segment)
+        whole = torch.frombuffer(segment.map, dtype=torch.uint8, count=max(size, 1))
+        base = whole.data_ptr()
+        self._spans.append((base, base + size, segment.name))
+        # Fresh tmpfs pages read as zeros; touching them now spares the first backward.
+        whole.zero_()
+        return tuple(whole[at : at + numel * dtype.itemsize].view(dtype)
+                     for at, (numel, dtype) in zip(offsets, buckets, strict=True))
+
+    def locate(self, tensor: torch.Tensor) -> Ref | None:
+        """[segment, offset] of a contiguous tensor that lies in this arena, else None."""
+        first = tensor.data_ptr()
+        end = first + tensor.numel() * tensor.element_size()
+        for start, stop, name in self._spans:
+            if start <= first and end <= stop:
+                return [name, first - start]
+        return None
+
+    def close(self) -> None:
+        """Unlink the segments (tensors over them stay valid while they live)."""
+        for segment in self._segments:
+            segment.unlink()
+        self._segments, self._spans = [], []
+
+
+class Shelf:
+    """The segments a receiver reads tensors from: mapped read-only on first use."""
+
+    KEPT = 64
+
+    def __init__(self) -> None:
+        self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def holds(self, tensor: object) -> bool:
+        """Whether `tensor` was read through this shelf (lies in a segment it mapped)."""
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        base = tensor.untyped_storage().data_ptr()
+        return any(whole.data_ptr() == base for whole in self._maps.values())
+
+    def view(self, ref: object, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """The 1-D tensor of `nbytes` at `ref`; SharedTensorError if it is not one of ours
+        to read: a malformed reference, a segment that is gone, or bytes past its end."""
+        if not (isinstance(ref, list) and len(ref) == 2 and type(ref[0]) is str
+                and type(ref[1]) is int):
+            raise SharedTensorError(f"a tensor by reference needs [segment, offset], got {ref!r:.80}")
+        name, offset = ref
+        if not _NAME.fullmatch(name):
+            raise SharedTensorError(f"{name!r:.80} is not a tensorbus segment name")
+        whole = self._maps.get(name)
+        if whole is None:
+            whole = self._map(name)
+        else:
+            self._maps.move_to_end(name)
+        if offset < 0 or offset % dtype.itemsize or offset + nbytes > whole.numel():
+            raise SharedTensorError(f"{nbytes} bytes at offset {offset} of segment {name}, "
+                                    f"of {whole.numel()} bytes")
+        return whole[offset : offset + nbytes].view(dtype)
+
+    def _map(self, name: str) -> torch.Tensor:
+        try:
+            fd = os.open(ROOT / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise SharedTensorError(f"segment {name} cannot be opened here ({e.strerror}): "
+                                    "is its sender on another host?") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or not info.st_size:
+                raise SharedTensorError(f"segment {name} is not a file of this user's")
+            memory = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():
+            # Read-only memory: nothing on the receiving side writes what it received.
+            warnings.simplefilter("ignore", UserWarning)
+            whole = torch.frombuffer(memory, dtype=torch.uint8)
+        self._maps[name] = whole
+        if len(self._maps) > self.KEPT:
+            self._maps.popitem(last=False)
+        return whole
+
+
+class Probe:
+    """A coordinator's proof of which /dev/shm it sees: a small segment with a random token.
+    `offer` goes in its Welcome; `seen(offer)`, on a worker, says whether it sees it too."""
+
+    def __init__(self) -> None:
+        self._segment = _Segment(_TOKEN_BYTES)
+        token = secrets.token_bytes(_TOKEN_BYTES)
+        self._segment.map[:_TOKEN_BYTES] = token
+        self.offer = f"{self._segment.name} {token.hex()}"
+
+    def close(self) -> None:
+        self._segment.unlink()
+
+    @staticmethod
+    def seen(offer: str) -> bool:
+        """Whether this process reads the token of `offer` in its segment."""
+        name, _, token = offer.partition(" ")
+        if not _NAME.fullmatch(name) or len(token) != 2 * _TOKEN_BYTES:
+            return False
+        try:
+            with open(ROOT / name, "rb") as file:
+                return file.read(_TOKEN_BYTES).hex() == token
+        except OSError:
+            return False

@@ -1,0 +1,273 @@
+"""Tensors by reference (bus.shared): segments, the codec's references, and training with them.
+
+Unit: an arena's buffers and where they lie, a shelf reading them (and refusing what is not
+ours to read), the probe, a killed creator's segment unlinked by the resource tracker, the
+codec. In one loop: sync over real ZeroMQ pushes by reference and makes the same bits as
+with bytes (a NaN push dropped alike); async never pushes by reference; a worker with no
+room in /dev/shm pushes bytes. The multi-process runs are in tests/test_colocated_local.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from specs import load_example
+from torch import nn
+
+from bus.codec import decode, encode
+from bus.errors import WireError
+from bus.messages import Push, RejectCode
+from bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
+from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from nodes.flat import FlatModel
+from strategies import Async, Sync
+
+digits = load_example("digits")
+pytestmark = pytest.mark.skipif(not ROOT.is_dir(), reason="no /dev/shm on this machine")
+
+
+def _ours() -> set[str]:
+    return {p.name for p in ROOT.glob(f"tensorbus-{os.getpid()}-*")}
+
+
+def test_an_arena_allocates_zeroed_buffers_and_knows_where_they_lie() -> None:
+    arena = Arena()
+    try:
+        a, b = arena.allocate([(1000, torch.float32), (3, torch.int64)])
+        assert (a.dtype, a.numel(), b.dtype, b.numel()) == (torch.float32, 1000, torch.int64, 3)
+        assert not a.any() and not b.any()
+        name, at_a = arena.locate(a)  # type: ignore[misc]
+        assert arena.locate(b) == [name, 4096]  # each buffer starts on a page
+        assert at_a == 0 and arena.locate(a[10:20]) == [name, 40]
+        assert arena.locate(torch.zeros(4)) is None
+        assert (ROOT / str(name)).stat().st_mode & 0o777 == 0o600
+    finally:
+        arena.close()
+
+
+def test_a_shelf_reads_the_senders_memory_itself() -> None:
+    arena, shelf = Arena(), Shelf()
+    try:
+        (grads,) = arena.allocate([(256, torch.float32)])
+        grads.copy_(torch.arange(256.0))
+        ref = arena.locate(grads[128:])
+        view = shelf.view(ref, 128 * 4, torch.float32)
+        assert torch.equal(view, torch.arange(128.0, 256.0))
+        assert shelf.holds(view) and not shelf.holds(grads) and not shelf.holds(torch.zeros(1))
+        grads[200] = -1.0  # no copy between: the receiver sees the sender's write
+        assert view[72] == -1.0
+    finally:
+        arena.close()
+
+
+def test_the_receivers_mapping_is_read_only() -> None:
+    """A receiver that wrote into a pushed gradient would write the sender's buffer: the
+    mapping forbids it (the process dies of SIGSEGV, loudly, rather than corrupt it)."""
+    program = (
+        "import torch\nfrom bus.shared import Arena, Shelf\n"
+        "arena = Arena(); (g,) = arena.allocate([(16, torch.float32)])\n"
+        "view = Shelf().view(arena.locate(g), 64, torch.float32)\n"
+        "print('mapped', flush=True)\nview.add_(1.0)\nprint('wrote', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parent.parent, check=False)
+    assert "mapped" in done.stdout and "wrote" not in done.stdout
+    assert done.returncode == -signal.SIGSEGV
+
+
+@pytest.mark.parametrize(("ref", "why"), [
+    (["../../etc/passwd", 0], "not a tensorbus segment name"),
+    (["tensorbus-1-zzzzzzzzzzzzzzzz", 0], "not a tensorbus segment name"),
+    (["tensorbus-1-0123456789abcdef", 0], "another host"),
+    ("tensorbus-1-0123456789abcdef", "needs [segment, offset]"),
+    ([1, 2], "needs [segment, offset]"),
+])
+def test_a_shelf_refuses_what_is_not_a_segment_of_ours(ref: Any, why: str) -> None:
+    with pytest.raises(SharedTensorError, match=why.replace("[", r"\[").replace("]", r"\]")):
+        Shelf().view(ref, 4, torch.float32)
+
+
+@pytest.mark.parametrize(("offset", "nbytes"), [(4096, 4), (-4, 4), (2, 4), (0, 4100)])
+def test_a_shelf_refuses_bytes_outside_the_segment(offset: int, nbytes: int) -> None:
+    arena = Arena()
+    try:
+        (grads,) = arena.allocate([(1024, torch.float32)])
+        name, _ = arena.locate(grads)  # type: ignore[misc]
+        with pytest.raises(SharedTensorError, match="bytes at offset"):
+            Shelf().view([name, offset], nbytes, torch.float32)
+    finally:
+        arena.close()
+
+
+def test_closing_an_arena_unlinks_its_files_and_keeps_its_buffers() -> None:
+    before = _ours()
+    arena = Arena()
+    (grads,) = arena.allocate([(64, torch.float32)])
+    assert len(_ours() - before) == 1
+    arena.close()
+    assert _ours() == before
+    grads.fill_(2.0)  # still mapped
+    assert float(grads.sum()) == 128.0
+
+
+def test_a_killed_creators_segment_is_unlinked_by_the_resource_tracker() -> None:
+    program = (
+        "import os, signal, sys, torch\nfrom bus.shared import Arena\n"
+        "arena = Arena(); (g,) = arena.allocate([(1 << 20, torch.float32)])\n"
+        "print(arena.locate(g)[0], flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parent.parent, check=False)
+    assert done.returncode == -signal.SIGKILL
+    path = ROOT / done.stdout.strip()
+    assert path.name.startswith("tensorbus-")
+    deadline = time.monotonic() + 20
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not path.exists()
+
+
+def test_a_probe_is_seen_only_with_its_token_and_while_it_lives() -> None:
+    probe = Probe()
+    name, token = probe.offer.split(" ")
+    try:
+        assert Probe.seen(probe.offer)
+        wrong = format(int(token, 16) ^ 1, "032x")
+        assert not Probe.seen(f"{name} {wrong}")
+        assert not Probe.seen(f"../{name} {token}") and not Probe.seen("") and not Probe.seen(name)
+    finally:
+        probe.close()
+    assert not Probe.seen(probe.offer)
+
+
+def test_the_codec_sends_placed_tensors_as_references_and_the_rest_as_bytes() -> None:
+    arena = Arena()
+    try:
+        (grads,) = arena.allocate([(300_000, torch.float32)])
+        grads.normal_()
+        private = torch.arange(10, dtype=torch.int64)
+        push = Push(sender=1, version=3, clock=3, loss=0.5, samples=8, tensors=(grads, private))
+        frames = encode(push, refer=arena.locate)
+        assert len(frames) == 2  # the header, and the private tensor's one frame
+        message = decode(frames, shelf=Shelf())
+        got, also = message.tensors
+        assert isinstance(got, torch.Tensor) and torch.equal(got, grads)
+        assert torch.equal(also, private)
+        grads[0] = 7.0
+        assert got[0] == 7.0  # read where the sender wrote it
+        with pytest.raises(SharedTensorError, match="does not take") as info:
+            decode(frames)  # a node with no shelf
+        assert isinstance(info.value, WireError) and info.value.code is RejectCode.MALFORMED
+        assert len(encode(push)) == 1 + 2 + 1  # without refer: 2 frames of 1 MiB, and 1
+    finally:
+        arena.close()
+
+
+def test_a_flat_model_moves_its_gradients_into_shared_memory_or_stays_as_it_was() -> None:
+    torch.manual_seed(0)
+    flat = FlatModel(nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)))
+    kept = flat.grads
+
+    def no_room(_: object) -> tuple[torch.Tensor, ...]:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        flat.share_grads(no_room)
+    assert flat.grads is kept
+    arena = Arena()
+    try:
+        flat.share_grads(arena.allocate)
+        assert all(arena.locate(g) is not None for g in flat.grads)
+        flat.begin_backward()
+        flat.module(torch.ones(3, 8)).sum().backward()
+        flat.gather_grads()
+        assert all(arena.locate(p.grad) is not None for p in flat.module.parameters())
+        assert float(flat.grads[0].abs().sum()) > 0
+    finally:
+        arena.close()
+
+
+# In one loop, over real ZeroMQ --------------------------------------------------------------
+
+LR = 0.05
+
+
+def _model() -> nn.Module:
+    """Over the coordinator's small-step bound: its folds and steps run in a thread."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 16400), nn.ReLU(), nn.Linear(16400, 10))
+
+
+def _worker(endpoint: str, rank: int, *, shared: bool, poison_step: int | None) -> Worker:
+    model = _model()
+    if poison_step is not None:
+        calls = {"n": 0}
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            calls["n"] += 1
+            return grad * math.nan if calls["n"] == poison_step else grad
+
+        list(model.parameters())[-1].register_hook(poison)
+    return Worker(model=model, data=digits.data, loss=digits.loss,
+                  config=WorkerConfig(connect=endpoint, rank=rank, request_timeout_s=10.0,
+                                      shared_memory=shared))
+
+
+def _train(strategy: Any, *, shared: bool, poisoned: int | None = None
+           ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    async def scenario() -> tuple[list[torch.Tensor], dict[str, Any]]:
+        coordinator = Coordinator(
+            model=_model(), strategy=strategy, config=CoordinatorConfig(batch_size=8, steps=8),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        endpoint = coordinator.bind()
+        summary, *_ = await asyncio.gather(coordinator.run(), *(
+            _worker(endpoint, r, shared=shared, poison_step=2 if r == poisoned else None).run()
+            for r in (0, 1)))
+        return [w.clone() for w in coordinator.flat.weights], summary
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("poisoned", [None, 1], ids=["finite", "rank-1-nan"])
+def test_sync_pushes_by_reference_and_makes_the_same_bits_as_with_bytes(poisoned: int | None) -> None:
+    before = _ours()
+    want, plain = _train(Sync(workers=2), shared=False, poisoned=poisoned)
+    got, summary = _train(Sync(workers=2), shared=True, poisoned=poisoned)
+    for stats, by_reference in ((plain, False), (summary, True)):
+        for worker in stats["per_worker"].values():
+            assert worker["by_reference"] == (worker["pushes"] if by_reference else 0)
+            assert worker["pushes"] >= 8
+    assert summary["steps"] == plain["steps"] == 8
+    assert summary["dropped"] == plain["dropped"] == ({} if poisoned is None else {"not_finite": 1})
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert _ours() == before  # the workers' and the coordinator's segments are unlinked
+
+
+def test_async_never_pushes_by_reference() -> None:
+    """A pipelined worker computes into one set while the other is on the wire, and the
+    coordinator may still hold it: it sends the bytes."""
+    _, summary = _train(Async(workers=2), shared=True)
+    assert sum(w["pushes"] for w in summary["per_worker"].values()) >= 8
+    assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
+
+
+def test_a_worker_with_no_room_in_shared_memory_pushes_bytes(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def no_room(self: Arena, buckets: object) -> tuple[torch.Tensor, ...]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Arena, "allocate", no_room)
+    with caplog.at_level(logging.WARNING, logger="tensorbus.worker"):
+        _, summary = _train(Sync(workers=2), shared=True)
+    assert summary["steps"] == 8
+    assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
+    assert "no room for the gradients in shared memory" in caplog.text
