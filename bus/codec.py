@@ -198,6 +198,9 @@ def _decode(
             if shelf is None:
                 raise SharedTensorError("a tensor by reference (shared memory), which this node "
                                         "does not take: send the bytes")
+            if kind is not Kind.PUSH or not spec.dtype.is_floating_point:
+                raise SharedTensorError(f"a {spec.dtype} tensor by reference in a {kind.name}: "
+                                        "only a push's float tensors may come by reference")
             tensors.append(shelf.view(spec.ref, spec.nbytes, spec.dtype).view(spec.shape))
             continue
         tensors.append(_tensor(frames[first : first + spec.frames], spec))
@@ -319,8 +322,9 @@ def _tensor_specs(raw: object, carries_tensors: bool) -> list[_Spec]:
                 f"tensor {i}: chunk of {quote(chunk)} bytes: a whole number of elements, at "
                 f"least {MIN_CHUNK_BYTES} bytes unless the tensor fits in one")
         ref = spec[4] if len(spec) == 5 else None
-        if ref is not None and not nbytes:
-            raise MalformedHeaderError(f"tensor {i}: an empty tensor by reference")
+        if len(spec) == 5 and (ref is None or not nbytes):
+            raise MalformedHeaderError(f"tensor {i}: a reference must be [segment, offset], "
+                                       "to a tensor of at least one element")
         specs.append(_Spec(dtype, tuple(shape), nbytes, max(chunk, 1), ref))
     return specs
 

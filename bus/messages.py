@@ -130,6 +130,7 @@ class Join(Message):
     rank: int = -1  # the rank asked for; -1: any free one
     layout: str = ""  # digest of the worker's model layout; must equal the coordinator's
     build: str = ""  # the tensorbus release of the worker
+    shared: str = ""  # its bus.shared.Probe's offer: it would push by reference ("": not)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +150,8 @@ class Welcome(Message):
     lr: float  # for a worker that owns its optimizer and the SPEC gives none
     position: int = 0  # batches of its shard this rank had used (after a restart), to skip
     compress: str = ""  # how to push gradients: bus.layout.Compression ("": as they are)
-    shared: str = ""  # takes tensors by reference: its bus.shared.Probe's offer ("": does not)
+    # It takes tensors by reference and saw the Join's probe: its own Probe's offer ("": not).
+    shared: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

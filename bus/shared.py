@@ -8,21 +8,33 @@ coordinator sees the same /dev/shm keeps its gradient buffers in shared memory i
 bytes (`bus.codec`); the coordinator maps the segment once (`Shelf`) and reads the gradient
 where backward wrote it.
 
-Same host, proven: a coordinator that takes tensors by reference says so in its Welcome
-with the name of a small segment of its own and the random token in it (`Probe`); a worker
-sends by reference only to a coordinator whose token it reads there.
+Same host, proven both ways: a worker names a small segment of its own and the random
+token in it in its Join (`Probe`); a coordinator that reads that token there, and takes
+tensors by reference, answers with its own probe in its Welcome; a worker sends by
+reference only to a coordinator whose token it reads in turn. Each side has then opened a
+file of the other's, as segments will be opened.
 
 Ownership: a coordinator reads a push's tensors until it has answered the push (the
 finiteness check, the fold) and, for a push it keeps, until the step that uses it, which
 comes before the version that step makes is published. So a worker writes buffers it
 pushed by reference again only once every coordinator it pushed them to has answered and
-published a newer version: that is, only where it waits for both anyway (sync and periodic
-averaging, `strategies.base.Wait.NEWER`), and never pipelined (see `nodes.worker`).
+published a newer version: only where it waits for both anyway (sync, with or without
+backups: `strategies.base.Wait.NEWER` with gradients pushed), never pipelined (see
+`nodes.worker`). One case breaks the rule, and the coordinator mends it: a worker that
+joins again while the coordinator still holds its last push (kept for a step that waits
+for a straggler) computes again at once; so a coordinator copies a joining worker's held
+push out of its segment before it welcomes it (`Coordinator._join`).
+
+Trust: references are taken only from members, only in a Push, only for float tensors,
+only from regular files of the coordinator's own user named as here, and only for bytes
+inside them. A sender may still change its bytes after they were checked: on one host as
+one user, it could as well write the coordinator's memory.
 
 Lifetime: the creator of a segment unlinks its file when it closes the arena, at exit, or,
 killed, through multiprocessing's resource tracker (a process of its own that outlives
 it). A mapping stays valid after the unlink for as long as tensors over it live. A receiver
-keeps the `Shelf.KEPT` segments it used last mapped.
+keeps the segments it used last mapped, a few per worker (`Shelf(kept)`), so that those of
+workers gone are let go of.
 
 Where /dev/shm is missing, full or too small, `Arena.allocate` raises OSError (the space is
 reserved with posix_fallocate, so that a full /dev/shm fails there, not with a SIGBUS on a
@@ -31,6 +43,7 @@ later write) and the worker sends the bytes, as over any other link.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -70,14 +83,14 @@ class _Segment:
         self.name = _new_name()
         path = ROOT / self.name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        # The resource tracker unlinks it if this process dies before it does.
+        resource_tracker.register(f"/{self.name}", "shared_memory")
+        self._unlink = weakref.finalize(self, _unlink, self.name)  # runs once
         try:
-            # The resource tracker unlinks it if this process dies before it does.
-            resource_tracker.register(f"/{self.name}", "shared_memory")
-            self._unlink = weakref.finalize(self, _unlink, self.name)
             os.posix_fallocate(fd, 0, max(nbytes, 1))  # ENOSPC now, not SIGBUS later
             self.map = mmap.mmap(fd, max(nbytes, 1))
         except BaseException:
-            _unlink(self.name)
+            self._unlink()
             raise
         finally:
             os.close(fd)
@@ -136,11 +149,11 @@ class Arena:
 
 
 class Shelf:
-    """The segments a receiver reads tensors from: mapped read-only on first use."""
+    """The segments a receiver reads tensors from: mapped read-only on first use, the
+    `kept` used last kept mapped."""
 
-    KEPT = 64
-
-    def __init__(self) -> None:
+    def __init__(self, kept: int = 8) -> None:
+        self.kept = kept
         self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def holds(self, tensor: object) -> bool:
@@ -171,30 +184,43 @@ class Shelf:
 
     def _map(self, name: str) -> torch.Tensor:
         try:
-            fd = os.open(ROOT / name, os.O_RDONLY | os.O_NOFOLLOW)
+            fd, size = _open(name)
+            try:
+                memory = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
         except OSError as e:
-            raise SharedTensorError(f"segment {name} cannot be opened here ({e.strerror}): "
+            raise SharedTensorError(f"segment {name} cannot be mapped here ({e.strerror}): "
                                     "is its sender on another host?") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or not info.st_size:
-                raise SharedTensorError(f"segment {name} is not a file of this user's")
-            memory = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
         with warnings.catch_warnings():
             # Read-only memory: nothing on the receiving side writes what it received.
             warnings.simplefilter("ignore", UserWarning)
             whole = torch.frombuffer(memory, dtype=torch.uint8)
         self._maps[name] = whole
-        if len(self._maps) > self.KEPT:
+        if len(self._maps) > self.kept:
             self._maps.popitem(last=False)
         return whole
 
 
+def _open(name: str) -> tuple[int, int]:
+    """A read-only descriptor of segment `name` and its size; OSError unless it is a
+    non-empty regular file of this user's. Non-blocking: a FIFO by that name must not
+    hang the caller."""
+    fd = os.open(ROOT / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or not info.st_size:
+            raise OSError(errno.EPERM, "not a regular file of this user's")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
 class Probe:
-    """A coordinator's proof of which /dev/shm it sees: a small segment with a random token.
-    `offer` goes in its Welcome; `seen(offer)`, on a worker, says whether it sees it too."""
+    """A proof of which /dev/shm a node sees: a small segment with a random token. Its
+    `offer` goes in a Join or a Welcome; `seen(offer)`, at the other end, says whether
+    that node sees the same."""
 
     def __init__(self) -> None:
         self._segment = _Segment(_TOKEN_BYTES)
@@ -212,7 +238,10 @@ class Probe:
         if not _NAME.fullmatch(name) or len(token) != 2 * _TOKEN_BYTES:
             return False
         try:
-            with open(ROOT / name, "rb") as file:
-                return file.read(_TOKEN_BYTES).hex() == token
+            fd, _ = _open(name)
+            try:
+                return os.read(fd, _TOKEN_BYTES).hex() == token
+            finally:
+                os.close(fd)
         except OSError:
             return False

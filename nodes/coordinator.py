@@ -309,7 +309,9 @@ class Coordinator:
             log.info("listening on %s (broadcasts on port %d)", self.endpoint, self._server.pub_port)
             if self.config.shared_memory:
                 try:
-                    self._probe, self._shelf = Probe(), Shelf()
+                    # A few segments a worker: those of workers gone are let go of.
+                    kept = 2 * (self.config.max_workers or self.strategy.workers) + 2
+                    self._probe, self._shelf = Probe(), Shelf(kept)
                 except OSError as e:
                     log.info("workers on this host push bytes, not references: no shared "
                              "memory here (%s)", e)
@@ -439,8 +441,9 @@ class Coordinator:
         while True:
             peer, frames = await self._server.recv()
             try:
+                # Tensors by reference only from members (bus.shared: the trust it needs).
                 message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout,
-                                 shelf=self._shelf)
+                                 shelf=self._shelf if self._members.get(peer) else None)
             except WireError as e:
                 self.metrics.rejected[e.code.value] += 1
                 self._warn(peer, e.code.value, f"rejected a message from {self._name(peer)}: {e}")
@@ -543,10 +546,24 @@ class Coordinator:
             wait=rhythm.wait.value, batch_size=self.config.batch_size, pub_port=self._pub_port(),
             heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,
             position=self._positions.get(admitted.rank, 0), compress=self.config.compress,
-            shared=self._probe.offer if self._probe is not None else "",
+            shared=(self._probe.offer if self._probe is not None and message.shared
+                    and Probe.seen(message.shared) else ""),
         )
+        self._copy_held(admitted.rank)
         await self._refresh_snapshot()
         await self._send_weights(peer, welcome)
+
+    def _copy_held(self, rank: int) -> None:
+        """Copy `rank`'s held push out of its shared memory, if it lies there: a worker that
+        joins again computes before the step that holds its push (bus.shared, Ownership)."""
+        held = self._held.get(rank)
+        if held is None or self._shelf is None or not any(map(self._shelf.holds, held.tensors)):
+            return
+        copied = tuple(whole(t).clone() for t in held.tensors)
+        self._held[rank] = _Held(copied, held.loss, held.samples)
+        if self._fold is not None and rank in self._fold.ranks:
+            # What it folded from it, it folds again (a non-finite push after it) from the copy.
+            self._fold.updates[self._fold.ranks.index(rank)] = copied
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
         fold = self._fold_for(member.rank, message) if math.isfinite(message.loss) else None

@@ -91,12 +91,22 @@ class FlatModel:
         if count not in (1, 2):
             raise ValueError(f"1 or 2 gradient sets, not {count}")
         while len(self._grad_sets) < count:
-            grads = (self._allocate(self.device) if self._allocate_grads is None
-                     else self._allocate_grads([(b.numel, b.dtype) for b in self.layout.buckets]))
+            grads = self._new_grad_set(first=not self._grad_sets)
             self._grad_sets.append(grads)
             on_cpu = self.device.type == "cpu"
             self.host_grad_sets.append(grads if on_cpu else self._allocate(None, pin=True))
             self._grad_views.append(self.layout.views(grads))
+
+    def _new_grad_set(self, *, first: bool) -> tuple[torch.Tensor, ...]:
+        if self._allocate_grads is None:
+            return self._allocate(self.device)
+        try:
+            return self._allocate_grads([(b.numel, b.dtype) for b in self.layout.buckets])
+        except OSError:
+            if first:
+                raise  # (share_grads then leaves the sets as they were)
+            # A second set is async's, which never pushes by reference: private will do.
+            return self._allocate(self.device)
 
     def share_grads(self, allocate: Allocate) -> None:
         """Keep the gradient sets in buffers that `allocate` makes from (numel, dtype) pairs

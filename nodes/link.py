@@ -110,8 +110,12 @@ class Link:
         request_timeout_s: float,
         keys: ClientKeys | None = None,
         hub: Hub | None = None,
+        probe: str = "",
     ) -> None:
+        """`probe`: the worker's bus.shared.Probe offer, named in its Join ("": it pushes
+        bytes only)."""
         self.endpoint = endpoint
+        self._probe = probe
         self._hub = hub
         self.layout = shard.layout
         self._weights = weights  # this shard's views of the worker's flat weights
@@ -165,7 +169,8 @@ class Link:
         wait = 1.0
         say_at = time.monotonic() + JOIN_SAY_S  # say once that nobody answers yet
         while True:
-            join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD)
+            join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD,
+                        shared=self._probe)
             try:
                 reply = await self.request(join, timeout=min(wait, max(deadline - time.monotonic(), 0.1)))
             except PeerTimeoutError:
@@ -199,8 +204,8 @@ class Link:
             self.seen = time.monotonic()
             self._announced_port = reply.pub_port
             # In process, frames go by reference already (inproc, zero copy).
-            self.shared = (bool(reply.shared) and not self.endpoint.startswith("inproc://")
-                           and Probe.seen(reply.shared))
+            self.shared = (bool(reply.shared and self._probe)
+                           and not self.endpoint.startswith("inproc://") and Probe.seen(reply.shared))
             return reply
 
     def session(self) -> list[Coroutine[Any, Any, None]]:

@@ -34,7 +34,7 @@ from bus.buffers import Tracker, wait_sent
 from bus.errors import PeerTimeoutError, RejectedError
 from bus.layout import Compression
 from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Welcome
-from bus.shared import Arena, Ref
+from bus.shared import Arena, Probe, Ref
 from bus.transport import Hub
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
@@ -99,12 +99,15 @@ class Worker:
         self.phase = Phase.JOINING
         self.clock = 0  # pushes made
         count = len(config.endpoints)
+        # Shared memory (bus.shared): our probe, which a coordinator on this host reads.
+        self._probe = _probe() if config.shared_memory and self.device.type == "cpu" else None
         # One link a coordinator shard, each owning its range of the flat parameters (the
         # whole model when there is one coordinator).
         self._shards = [self.flat.layout.shard(i, count) for i in range(count)]
         self.links = [
             Link(endpoint, shard, shard.take(self.flat.weights), self,
-                 request_timeout_s=config.request_timeout_s, keys=config.keys, hub=hub)
+                 request_timeout_s=config.request_timeout_s, keys=config.keys, hub=hub,
+                 probe=self._probe.offer if self._probe is not None else "")
             for endpoint, shard in zip(config.endpoints, self._shards, strict=True)
         ]
         self._last_loss: float | None = None
@@ -122,7 +125,7 @@ class Worker:
         # The gradient sets in shared memory, once a coordinator on this host takes them by
         # reference (bus.shared); None: not yet, or not possible here (_shared_grads).
         self._arena: Arena | None = None
-        self._no_arena = not config.shared_memory or self.device.type != "cpu"
+        self._no_arena = self._probe is None
 
     @property
     def version(self) -> int:
@@ -149,8 +152,10 @@ class Worker:
         finally:
             for link in self.links:
                 await link.close()
-            if self._arena is not None:
-                self._arena.close()  # the files go; the buffers stay mapped while used
+            # The files go; the buffers stay mapped while used.
+            for shared in (self._arena, self._probe):
+                if shared is not None:
+                    shared.close()
         return WorkerReport(self.rank, self.clock, self._last_loss, self.version, self.rejoins)
 
     async def _sessions(self) -> None:
@@ -246,14 +251,22 @@ class Worker:
             # In a thread: a first optimizer may import for seconds (torch._dynamo), and the
             # loop must keep beating meanwhile.
             self._optimizer = await asyncio.to_thread(make, self._model.parameters())
+        # Async holds nobody back: the next gradient is computed, into the other set of
+        # buffers, while this one is on the wire (its answers are taken meanwhile).
+        pipelined = wait is Wait.NOTHING and not weights_pushed
+        # By reference, the buffers pushed are read where they lie until every shard has
+        # answered and published a newer version (bus.shared): only where the loop waits
+        # for both before the next backward writes them (Wait.NEWER), and only the flat
+        # gradients themselves (not weights, nor what --compress makes of them). Moved
+        # there before Ready: not on training time, and in a thread (the loop beats on).
+        refer = (await asyncio.to_thread(self._shared_grads)
+                 if wait is Wait.NEWER and not weights_pushed and not welcome.compress
+                 and any(link.shared for link in self.links) else None)
         # Answered when the coordinators' start gates open: everyone starts together.
         await asyncio.gather(*(
             link.request(Ready(sender=self.rank, version=link.version,
                                batches=self._batches.length), patient=True)
             for link in self.links))
-        # Async holds nobody back: the next gradient is computed, into the other set of
-        # buffers, while this one is on the wire (its answers are taken meanwhile).
-        pipelined = wait is Wait.NOTHING and not weights_pushed
         if pipelined:
             self.flat.use_grad_sets(2)
         # Each shard's part is pushed as soon as backward has finished it, overlapping the
@@ -261,11 +274,6 @@ class Worker:
         early = not weights_pushed and welcome.local_steps == 1
         # What goes on the wire, per gradient set and shard, filled as backward finishes
         # each range: gradients as they are, narrowed or top-k (--compress), or weights.
-        # By reference, the buffers pushed are read where they lie until every shard has
-        # answered and published a newer version (bus.shared): only where the loop waits
-        # for both before the next backward writes them, as it does under Wait.NEWER.
-        refer = (self._shared_grads() if wait is Wait.NEWER and not pipelined
-                 and any(link.shared for link in self.links) else None)
         outbox = Outbox(self.flat, self._shards, Compression.parse(welcome.compress),
                         weights=weights_pushed)
         self._outbox, parts = outbox, outbox.parts
@@ -570,6 +578,15 @@ class _InFlight:
     answers: asyncio.Future[list[tuple[Message, Tracker | None]]]
     computed_on: list[int]
     current: int  # the gradient set it was sent from
+
+
+def _probe() -> Probe | None:
+    """Our bus.shared.Probe, or None where there is no shared memory to push from."""
+    try:
+        return Probe()
+    except OSError as e:
+        log.info("pushes carry their bytes: no shared memory here (%s)", e)
+        return None
 
 
 def _announce(loop: asyncio.AbstractEventLoop, ready: list[asyncio.Future[None]], i: int) -> None:

@@ -137,7 +137,8 @@ def _relay(args: argparse.Namespace) -> int:
     config = CoordinatorConfig(
         bind=args.bind, pub_port=args.pub_port, steps=1, heartbeat_s=args.heartbeat,
         timeout_s=args.timeout, join_timeout_s=args.join_timeout,
-        keys=load_server_keys(args.keys) if args.keys else None)
+        keys=load_server_keys(args.keys) if args.keys else None,
+        shared_memory=not args.no_shared_memory)
     relay = Relay(model=spec.build_model(), strategy=strategy, config=config,
                   upstream=args.connect,
                   keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
@@ -299,9 +300,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def shared_memory(p: argparse.ArgumentParser) -> None:
         p.add_argument("--no-shared-memory", action="store_true",
-                       help="push gradients as bytes over the socket even to a coordinator "
-                            "on this host (by default they go by reference, from shared "
-                            "memory, where the strategy waits for every version)")
+                       help="gradients cross the socket as bytes even between a worker and "
+                            "a coordinator on this host (by default, under sync, a worker "
+                            "pushes them by reference, from shared memory)")
 
     def training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> None:
         p.add_argument("--workers", type=int, required=not workers_from_env,
@@ -437,6 +438,7 @@ def _parser() -> argparse.ArgumentParser:
     relay = commands.add_parser("relay", help="a relay: coordinator to local workers, worker "
                                               "of a root coordinator (hierarchical averaging)")
     common(relay)
+    shared_memory(relay)
     relay.add_argument("--connect", required=True, help="the root coordinator's tcp://HOST:PORT")
     relay.add_argument("--bind", required=True, help="tcp://HOST:PORT for the local workers")
     relay.add_argument("--pub-port", type=int, help="broadcast port (default PORT+1)")

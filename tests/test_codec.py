@@ -145,7 +145,7 @@ WEIGHTS = (torch.linspace(-1, 1, 6), torch.tensor([3, -4, 5], dtype=torch.int64)
 
 SAMPLES = {
     Kind.JOIN: Join(sender=3, request=11, version=7, rank=2, layout="0f1e2d3c4b5a6978",
-                    build="0.1.0"),
+                    build="0.1.0", shared="tensorbus-2-0123456789abcdef 00112233445566778899aabbccddeeff"),
     Kind.WELCOME: Welcome(sender=COORDINATOR, request=11, version=7, rank=2, world_size=4,
                           strategy="ssp", push="weights", local_steps=3, wait="answered",
                           batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9, compress="bf16",

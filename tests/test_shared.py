@@ -27,7 +27,7 @@ from torch import nn
 
 from bus.codec import decode, encode
 from bus.errors import WireError
-from bus.messages import Push, RejectCode
+from bus.messages import Push, RejectCode, Weights
 from bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from nodes.flat import FlatModel
@@ -271,3 +271,76 @@ def test_a_worker_with_no_room_in_shared_memory_pushes_bytes(
     assert summary["steps"] == 8
     assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
     assert "no room for the gradients in shared memory" in caplog.text
+
+
+def test_only_a_pushs_float_tensors_come_by_reference() -> None:
+    arena = Arena()
+    try:
+        floats, indices = arena.allocate([(16, torch.float32), (16, torch.int64)])
+        for tensors, says in (((indices,), "int64 tensor by reference in a PUSH"),
+                              ((floats,), "float32 tensor by reference in a WEIGHTS")):
+            message: Any = (Push(sender=0, version=1, clock=0, loss=0.0, samples=1, tensors=tensors)
+                            if says.endswith("PUSH") else Weights(tensors=tensors))
+            with pytest.raises(SharedTensorError, match=says):
+                decode(encode(message, refer=arena.locate), shelf=Shelf())
+    finally:
+        arena.close()
+
+
+def test_a_fifo_named_as_a_segment_does_not_hang_the_reader() -> None:
+    name = f"tensorbus-{os.getpid()}-{'f' * 16}"
+    os.mkfifo(ROOT / name)
+    try:
+        started = time.monotonic()
+        with pytest.raises(SharedTensorError, match="cannot be mapped"):
+            Shelf().view([name, 0], 4, torch.float32)
+        assert not Probe.seen(f"{name} {'0' * 32}")
+        assert time.monotonic() - started < 5
+    finally:
+        os.unlink(ROOT / name)
+
+
+def test_a_coordinator_copies_a_rejoining_workers_held_push_out_of_its_segment() -> None:
+    """Kept for a step that waits for a straggler, a push by reference would be rewritten by
+    its worker's next backward once it joins again: the coordinator copies it first, and
+    the fold's record of it (which a NaN push after it folds again from) too."""
+    from nodes.coordinator import _Held
+    from nodes.fold import Fold
+
+    coordinator = Coordinator(model=_model(), strategy=Sync(workers=2),
+                              config=CoordinatorConfig(steps=1))
+    coordinator.bind()
+    arena = Arena()
+    try:
+        grads = arena.allocate([(b.numel, b.dtype) for b in coordinator.flat.layout.buckets])
+        for g in grads:
+            g.normal_()
+        assert coordinator._shelf is not None
+        pushed = decode(encode(Push(sender=0, version=0, clock=0, loss=1.0, samples=8,
+                                    tensors=grads), refer=arena.locate), shelf=coordinator._shelf)
+        coordinator._held[0] = _Held(pushed.tensors, 1.0, 8)
+        coordinator._fold = Fold(0, -0.1, coordinator.flat.layout.allocate(), [0], [pushed.tensors])
+        coordinator._copy_held(0)
+        copied = coordinator._held[0].tensors
+        assert coordinator._fold.updates == [copied]
+        assert not any(coordinator._shelf.holds(t) for t in copied)
+        for g in grads:
+            g.zero_()  # the worker computes again
+        assert all(bool(t.abs().sum() > 0) for t in copied)
+    finally:
+        arena.close()
+        assert coordinator._server is not None and coordinator._probe is not None
+        coordinator._server.close()
+        coordinator._probe.close()
+
+
+def test_a_coordinator_that_cannot_read_the_workers_probe_gets_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proof goes both ways: here the coordinator does not see the worker's segment
+    (as from a container with its own /dev/shm), says so, and the worker sends bytes."""
+    class Blind(Probe):
+        seen = staticmethod(lambda offer: False)
+
+    monkeypatch.setattr("nodes.coordinator.Probe", Blind)
+    _, summary = _train(Sync(workers=2), shared=True)
+    assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
