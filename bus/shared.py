@@ -48,6 +48,7 @@ import mmap
 import os
 import re
 import secrets
+import signal
 import stat
 import warnings
 import weakref
@@ -83,8 +84,7 @@ class _Segment:
         self.name = _new_name()
         path = ROOT / self.name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-        # The resource tracker unlinks it if this process dies before it does.
-        resource_tracker.register(f"/{self.name}", "shared_memory")
+        _track(self.name)
         self._unlink = weakref.finalize(self, _unlink, self.name)  # runs once
         try:
             os.posix_fallocate(fd, 0, max(nbytes, 1))  # ENOSPC now, not SIGBUS later
@@ -98,6 +98,20 @@ class _Segment:
 
     def unlink(self) -> None:
         self._unlink()
+
+
+def _track(name: str) -> None:
+    """Have multiprocessing's resource tracker unlink segment `name` if this process dies
+    before it does. The tracker ignores SIGINT and SIGTERM; started here with SIGHUP
+    blocked too, it also outlives a terminal's hangup (a launcher killed in a terminal that
+    then closes), which would otherwise leave the file behind."""
+    if hasattr(signal, "pthread_sigmask"):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            resource_tracker.ensure_running()  # a child keeps the mask it was forked with
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    resource_tracker.register(f"/{name}", "shared_memory")
 
 
 def _unlink(name: str) -> None:

@@ -136,6 +136,32 @@ def test_a_killed_creators_segment_is_unlinked_by_the_resource_tracker() -> None
     assert not path.exists()
 
 
+def test_a_segment_outlives_the_hangup_of_its_creators_terminal() -> None:
+    """A launcher killed in a terminal that then closes: its process group gets SIGHUP,
+    the resource tracker in it too, and the tracker must live to unlink the file."""
+    program = ("import sys, time\nfrom bus.shared import Probe\n"
+               "probe = Probe()\nprint(probe.offer.split()[0], flush=True)\ntime.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+    try:
+        assert child.stdout is not None
+        path = ROOT / child.stdout.readline().strip()
+        assert path.exists()
+        child.kill()
+        child.wait(timeout=30)
+        os.killpg(child.pid, signal.SIGHUP)  # what is left of its group: the tracker
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    deadline = time.monotonic() + 20
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not path.exists()
+
+
 def test_a_probe_is_seen_only_with_its_token_and_while_it_lives() -> None:
     probe = Probe()
     name, token = probe.offer.split(" ")
