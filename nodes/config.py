@@ -93,7 +93,7 @@ class WorkerConfig:
     faults: Faults = field(default_factory=Faults)  # injected faults, for experiments
     keys: ClientKeys | None = None  # CURVE: needed when the coordinator has keys
     # Push gradients by reference, from shared memory, to a coordinator on this host that
-    # takes them (bus.shared), where the strategy waits for every version (sync, average).
+    # takes them (bus.shared), where the worker waits for every version: sync, dense.
     shared_memory: bool = True
 
     @property
