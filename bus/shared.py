@@ -94,7 +94,6 @@ class _Segment:
             raise
         finally:
             os.close(fd)
-        self.nbytes = nbytes
 
     def unlink(self) -> None:
         self._unlink()

@@ -556,10 +556,12 @@ class Coordinator:
     def _copy_held(self, rank: int) -> None:
         """Copy `rank`'s held push out of its shared memory, if it lies there: a worker that
         joins again computes before the step that holds its push (bus.shared, Ownership)."""
-        held = self._held.get(rank)
-        if held is None or self._shelf is None or not any(map(self._shelf.holds, held.tensors)):
+        held, shelf = self._held.get(rank), self._shelf
+        if held is None or shelf is None or not any(map(shelf.holds, held.tensors)):
             return
-        copied = tuple(whole(t).clone() for t in held.tensors)
+        # (Only what lies in its segment: frames are ours already.)
+        copied = tuple(t.clone() if isinstance(t, torch.Tensor) and shelf.holds(t) else t
+                       for t in held.tensors)
         self._held[rank] = _Held(copied, held.loss, held.samples)
         if self._fold is not None and rank in self._fold.ranks:
             # What it folded from it, it folds again (a non-finite push after it) from the copy.

@@ -117,7 +117,9 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 16400), nn.ReLU(), nn.Linear(16400, 10))
 
 
-def _worker(endpoint: str, rank: int, poison_step: int | None) -> Worker:
+def _worker(endpoint: str, rank: int, poison_step: int | None, **config: Any) -> Worker:
+    """Worker `rank`, whose gradient is NaN at its `poison_step`-th backward (if given);
+    `config`: more WorkerConfig fields (tests/test_shared.py's shared_memory)."""
     model = _model()
     if poison_step is not None:
         # A NaN gradient once, with a finite loss: only the tensors say it.
@@ -129,7 +131,8 @@ def _worker(endpoint: str, rank: int, poison_step: int | None) -> Worker:
 
         list(model.parameters())[-1].register_hook(poison)
     return Worker(model=model, data=digits.data, loss=digits.loss,
-                  config=WorkerConfig(connect=endpoint, rank=rank, request_timeout_s=10.0))
+                  config=WorkerConfig(connect=endpoint, rank=rank, request_timeout_s=10.0,
+                                      **config))
 
 
 def _train(*, folding: bool, poisoned: int | None) -> tuple[list[torch.Tensor], dict[str, Any], int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -22,18 +21,17 @@ from typing import Any
 
 import pytest
 import torch
-from specs import load_example
+from test_fold import LR, _model, _worker
 from torch import nn
 
 from bus.codec import decode, encode
 from bus.errors import WireError
 from bus.messages import Push, RejectCode, Weights
 from bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from nodes import Coordinator, CoordinatorConfig
 from nodes.flat import FlatModel
 from strategies import Async, Sync
 
-digits = load_example("digits")
 pytestmark = pytest.mark.skipif(not ROOT.is_dir(), reason="no /dev/shm on this machine")
 
 
@@ -224,30 +222,6 @@ def test_a_flat_model_moves_its_gradients_into_shared_memory_or_stays_as_it_was(
 
 # In one loop, over real ZeroMQ --------------------------------------------------------------
 
-LR = 0.05
-
-
-def _model() -> nn.Module:
-    """Over the coordinator's small-step bound: its folds and steps run in a thread."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 16400), nn.ReLU(), nn.Linear(16400, 10))
-
-
-def _worker(endpoint: str, rank: int, *, shared: bool, poison_step: int | None) -> Worker:
-    model = _model()
-    if poison_step is not None:
-        calls = {"n": 0}
-
-        def poison(grad: torch.Tensor) -> torch.Tensor:
-            calls["n"] += 1
-            return grad * math.nan if calls["n"] == poison_step else grad
-
-        list(model.parameters())[-1].register_hook(poison)
-    return Worker(model=model, data=digits.data, loss=digits.loss,
-                  config=WorkerConfig(connect=endpoint, rank=rank, request_timeout_s=10.0,
-                                      shared_memory=shared))
-
-
 def _train(strategy: Any, *, shared: bool, poisoned: int | None = None
            ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     async def scenario() -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -256,7 +230,7 @@ def _train(strategy: Any, *, shared: bool, poisoned: int | None = None
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         endpoint = coordinator.bind()
         summary, *_ = await asyncio.gather(coordinator.run(), *(
-            _worker(endpoint, r, shared=shared, poison_step=2 if r == poisoned else None).run()
+            _worker(endpoint, r, 2 if r == poisoned else None, shared_memory=shared).run()
             for r in (0, 1)))
         return [w.clone() for w in coordinator.flat.weights], summary
 
