@@ -190,9 +190,9 @@ def curve_client(socket: zmq.Socket[Any], keys: ClientKeys) -> None:
 class KeyGate:
     """The ZAP handler of one libzmq context: admits exactly the CURVE keys in `authorized`.
 
-    It answers in a thread of its own (pyzmq's ThreadAuthenticator) on a synchronous shadow of
-    the context, so it works under a `zmq.asyncio.Context` and needs no running event loop:
-    the coordinator may bind from synchronous code. Start it before binding: libzmq admits
+    It answers in a thread of its own (pyzmq's ThreadAuthenticator) on a shadow of the
+    context, so it needs no running event loop: the coordinator may bind from synchronous
+    code. Start it before binding: libzmq admits
     every CURVE key when no ZAP handler is listening. A plain (NULL) peer never reaches the
     gate: libzmq drops it at the mechanism mismatch.
     """

@@ -1,4 +1,5 @@
-"""Socket set-up: the coordinator's ROUTER + PUB and a worker's DEALER + SUB, on zmq.asyncio.
+"""Socket set-up: the coordinator's ROUTER + PUB and a worker's DEALER + SUB, on asyncio
+(each socket driven by a `bus.loopsocket.LoopSocket`).
 
 Nodes see only the two small interfaces below (frames in, frames out), never a socket, so
 their logic does not depend on how bytes move. Every socket lingers 0 ms on close, so that
@@ -29,10 +30,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from bus.buffers import Tracker
+from bus.loopsocket import LoopSocket
 from bus.security import ClientKeys, KeyGate, ServerKeys, curve_client, curve_server
 
 Frames = Sequence[Any]  # anything with the buffer protocol
@@ -80,7 +81,7 @@ class Hub:
     """
 
     def __init__(self) -> None:
-        self.context = zmq.asyncio.Context()
+        self.context: zmq.Context[Any] = zmq.Context()
 
     def close(self) -> None:
         self.context.destroy(linger=0)
@@ -114,7 +115,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-async def _send(socket: zmq.asyncio.Socket, frames: Frames) -> Tracker | None:
+async def _send(socket: LoopSocket, frames: Frames) -> Tracker | None:
     """Send large frames without copying them; the tracker is done once ZeroMQ has let go
     of every one of them (None if all were small enough to copy)."""
     parts: list[Any] = []
@@ -128,7 +129,7 @@ async def _send(socket: zmq.asyncio.Socket, frames: Frames) -> Tracker | None:
             parts.append(part)
         else:
             parts.append(f)
-    await socket.send_multipart(parts, copy=False)
+    await socket.send_multipart(parts)
     return _Released(watched) if watched else None
 
 
@@ -170,8 +171,8 @@ class ZmqServer:
     ) -> None:
         host, port = split_endpoint(bind)
         self._hub = hub
-        self._context = hub.context if hub is not None else zmq.asyncio.Context()
-        self._sockets: list[zmq.asyncio.Socket] = []
+        self._context: zmq.Context[Any] = hub.context if hub is not None else zmq.Context()
+        self._sockets: list[LoopSocket] = []
         self._keys = keys
         self._gate: KeyGate | None = None
         try:
@@ -179,13 +180,15 @@ class ZmqServer:
                 # Listening before any bind: libzmq lets every CURVE key in while no ZAP
                 # handler is there.
                 self._gate = KeyGate(self._context, keys.authorized)
-            self._router = self._socket(zmq.ROUTER, max_message_bytes)
+            self._requests = self._socket(zmq.ROUTER, max_message_bytes)
+            self._router = self._requests.socket
             self._router.bind(f"tcp://{host}:{port or '*'}")
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             _, bound = split_endpoint(self.endpoint)
             # A fixed request port gets a fixed broadcast port beside it (firewall rules);
             # a random one gets a random one.
-            self._pub = self._socket(zmq.PUB, max_message_bytes)
+            self._broadcasts = self._socket(zmq.PUB, max_message_bytes)
+            self._pub = self._broadcasts.socket
             # A stalled subscriber may hold at most this many versions; past it PUB drops,
             # and the worker catches up with a Pull.
             self._pub.setsockopt(zmq.SNDHWM, PUB_QUEUE)
@@ -217,24 +220,24 @@ class ZmqServer:
         """CURVE handshakes refused for an unknown key (0 without keys)."""
         return self._gate.rejected if self._gate is not None else 0
 
-    def _socket(self, kind: int, max_message_bytes: int) -> zmq.asyncio.Socket:
-        socket = self._context.socket(kind)
-        self._sockets.append(socket)
+    def _socket(self, kind: int, max_message_bytes: int) -> LoopSocket:
+        socket: zmq.Socket[Any] = self._context.socket(kind)
+        self._sockets.append(LoopSocket(socket))
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if self._keys is not None:
             curve_server(socket, self._keys)
-        return socket
+        return self._sockets[-1]
 
     async def recv(self) -> tuple[bytes, list[memoryview]]:
-        frames = await self._router.recv_multipart(copy=False)
+        frames = await self._requests.recv_multipart()
         return frames[0].bytes, [f.buffer for f in frames[1:]]
 
     async def send(self, peer: bytes, frames: Frames) -> Tracker | None:
-        return await _send(self._router, [peer, *frames])
+        return await _send(self._requests, [peer, *frames])
 
     async def publish(self, frames: Frames) -> Tracker | None:
-        return await _send(self._pub, frames)
+        return await _send(self._broadcasts, frames)
 
     def close(self) -> None:
         # The gate's sockets belong to a shadow of this context, which destroy() does not
@@ -242,11 +245,10 @@ class ZmqServer:
         if self._gate is not None:
             self._gate.close()
             self._gate = None
-        if self._hub is None:
+        for socket in self._sockets:  # (unwatched first: the loop must not poll closed ones)
+            socket.close()
+        if self._hub is None:  # a hub's context outlives us
             self._context.destroy(linger=0)
-        else:  # the hub's context outlives us: close only our sockets
-            for socket in self._sockets:
-                socket.close(linger=0)
 
 
 class ZmqRouter:
@@ -255,12 +257,13 @@ class ZmqRouter:
 
     def __init__(self, bind: str, *, max_message_bytes: int, keys: ServerKeys | None = None) -> None:
         host, port = split_endpoint(bind)
-        self._context = zmq.asyncio.Context()
+        self._context: zmq.Context[Any] = zmq.Context()
         self._gate: KeyGate | None = None
+        self._requests = LoopSocket(self._context.socket(zmq.ROUTER))
+        self._router = self._requests.socket
         try:
             if keys is not None:
                 self._gate = KeyGate(self._context, keys.authorized)  # before any bind
-            self._router = self._context.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
             if keys is not None:
@@ -277,11 +280,11 @@ class ZmqRouter:
         _, self.port = split_endpoint(self.endpoint)
 
     async def recv(self) -> tuple[bytes, list[memoryview]]:
-        frames = await self._router.recv_multipart(copy=False)
+        frames = await self._requests.recv_multipart()
         return frames[0].bytes, [f.buffer for f in frames[1:]]
 
     async def send(self, peer: bytes, frames: Frames) -> Tracker | None:
-        return await _send(self._router, [peer, *frames])
+        return await _send(self._requests, [peer, *frames])
 
     def close(self, *, linger_s: float = 0.0) -> None:
         """Close; with `linger_s`, first give queued replies that long to leave (the last
@@ -289,7 +292,9 @@ class ZmqRouter:
         if self._gate is not None:
             self._gate.close()
             self._gate = None
-        self._context.destroy(linger=round(linger_s * 1000))
+        linger = round(linger_s * 1000)
+        self._requests.close(linger=linger)
+        self._context.destroy(linger=linger)
 
 
 class ZmqClient:
@@ -306,9 +311,10 @@ class ZmqClient:
         self._host = "" if self._inproc else split_endpoint(connect)[0]
         self._connect = connect
         self._hub = hub
-        self._context = hub.context if hub is not None else zmq.asyncio.Context()
-        self._dealer = self._context.socket(zmq.DEALER)
-        self._sub = self._context.socket(zmq.SUB)
+        self._context: zmq.Context[Any] = hub.context if hub is not None else zmq.Context()
+        self._requests = LoopSocket(self._context.socket(zmq.DEALER))
+        self._broadcasts = LoopSocket(self._context.socket(zmq.SUB))
+        self._dealer, self._sub = self._requests.socket, self._broadcasts.socket
         # The DEALER's connection events, read without the loop (see `connection_problem`).
         self._monitor: zmq.Socket[Any] | None = None
         self._connected = False
@@ -322,7 +328,7 @@ class ZmqClient:
                     curve_client(socket, keys)  # a malformed key fails here, before connect
             address = f"inproc://tensorbus-monitor-{id(self)}"
             self._dealer.monitor(address, _WATCHED)
-            self._monitor = zmq.Context.shadow(self._context.underlying).socket(zmq.PAIR)
+            self._monitor = self._context.socket(zmq.PAIR)
             self._monitor.setsockopt(zmq.LINGER, 0)
             self._monitor.connect(address)
             self._dealer.connect(connect)
@@ -370,25 +376,25 @@ class ZmqClient:
             self._sub.connect(f"tcp://{self._host}:{pub_port}")
 
     async def send(self, frames: Frames) -> Tracker | None:
-        return await _send(self._dealer, frames)
+        return await _send(self._requests, frames)
 
     async def recv(self) -> list[memoryview]:
-        return [f.buffer for f in await self._dealer.recv_multipart(copy=False)]
+        return [f.buffer for f in await self._requests.recv_multipart()]
 
     async def recv_broadcast(self) -> list[memoryview]:
-        return [f.buffer for f in await self._sub.recv_multipart(copy=False)]
+        return [f.buffer for f in await self._broadcasts.recv_multipart()]
 
     def close(self) -> None:
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None
-        if self._hub is None:
-            self._context.destroy(linger=0)
-        else:  # the hub's context outlives us: close only our sockets
+        if self._hub is not None:  # the hub's context outlives us: stop what we started
             with contextlib.suppress(zmq.ZMQError):
                 self._dealer.disable_monitor()
-            for socket in (self._dealer, self._sub):
-                socket.close(linger=0)
+        for socket in (self._requests, self._broadcasts):  # (unwatched first)
+            socket.close()
+        if self._hub is None:
+            self._context.destroy(linger=0)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

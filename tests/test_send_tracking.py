@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-import zmq.asyncio
 
 from bus.buffers import Tracker
+from bus.loopsocket import LoopSocket
 from bus.transport import TRACK_ABOVE, _send
 
 pytestmark = pytest.mark.timeout(30)
@@ -38,20 +38,23 @@ async def _until_done(tracker: Tracker, within_s: float = 5.0) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def _pair(endpoint: str) -> AsyncIterator[tuple[zmq.asyncio.Socket, Receive]]:
+async def _pair(endpoint: str) -> AsyncIterator[tuple[LoopSocket, Receive]]:
     """A sender bound at `endpoint` and a receive (of one message, frames kept as zmq.Frames
     or copied to bytes) from the socket connected to it."""
-    context = zmq.asyncio.Context()
+    context: zmq.Context[Any] = zmq.Context()
+    sender, receiver = LoopSocket(context.socket(zmq.PAIR)), LoopSocket(context.socket(zmq.PAIR))
     try:
-        sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-        sender.bind(endpoint)
-        receiver.connect(sender.getsockopt(zmq.LAST_ENDPOINT).decode())
+        sender.socket.bind(endpoint)
+        receiver.socket.connect(sender.socket.getsockopt(zmq.LAST_ENDPOINT).decode())
 
         async def receive(copy: bool) -> list[Any]:
-            return await asyncio.wait_for(receiver.recv_multipart(copy=copy), RECV_S)
+            frames = await asyncio.wait_for(receiver.recv_multipart(), RECV_S)
+            return [f.bytes for f in frames] if copy else frames
 
         yield sender, receive
     finally:
+        sender.close()
+        receiver.close()
         context.destroy(linger=0)
 
 
