@@ -73,7 +73,9 @@ def test_a_silent_worker_is_removed_within_the_timeout_then_rejoins(tmp_path: Pa
         removed = next(r for r in records if r["event"] == "lost")
         before = [r["train_s"] for r in _steps(records) if r["train_s"] <= removed["train_s"]]
         stalled = removed["train_s"] - before[-1]
-        assert TIMEOUT_S <= stalled <= TIMEOUT_S + 1.5, stalled
+        # The timeout runs from worker 1's last message, which may be its push of the last
+        # version, taken a moment before worker 0's push completes it (1.9986 s seen).
+        assert TIMEOUT_S - 0.1 <= stalled <= TIMEOUT_S + 1.5, stalled
         # Without it, sync steps on worker 0 alone.
         c.wait_for("steps without it", lambda rs: any(
             r["event"] == "step" and r["workers"] == [0] for r in rs))

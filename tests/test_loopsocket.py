@@ -237,3 +237,32 @@ def test_a_send_that_takes_a_receivers_signal_serves_it(endpoint: str) -> None:
             assert (await _within(waiting))[0].bytes == b"for the waiting one"
 
     asyncio.run(main())
+
+
+def test_a_receive_that_takes_a_senders_signal_serves_it() -> None:
+    """The mirror case: a send waits past the high-water mark; the peer makes room and
+    sends a message back; before the loop gets to the descriptor, a receive on the same
+    socket succeeds at once, processing both commands: the signal that was the sender's is
+    gone. The receive serves the sender itself."""
+    async def main() -> None:
+        async with _pair("inproc://mirror", hwm=2) as (a, b):
+            sends = [asyncio.ensure_future(a.send_multipart([bytes([i])])) for i in range(10)]
+            await asyncio.sleep(0.05)
+            assert not all(s.done() for s in sends), "the high-water mark held nothing back"
+            with pytest.raises(zmq.Again):  # a found nothing: the next message signals
+                a.socket.recv(zmq.NOBLOCK)
+            got = []
+            while True:  # the peer makes room (no await: the loop does not run)
+                try:
+                    got.append(b.socket.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            b.socket.send(b"back")
+            time.sleep(0.05)  # noqa: ASYNC251 (blocking on purpose, as above)
+            assert (await a.recv_multipart())[0].bytes == b"back"  # at once, commands taken
+            while len(got) < 10:
+                got.append((await _within(b.recv_multipart()))[0].bytes)
+            assert got == [bytes([i]) for i in range(10)]
+            await _within(asyncio.gather(*sends))
+
+    asyncio.run(main())
