@@ -3,21 +3,27 @@
 pyzmq's `zmq.asyncio` makes a Future, a done-callback and a poller update for every receive,
 and a Future for every send, and re-reads the socket's events after each: in a colocated
 sync run at 1M parameters, 38 % of the samples of the event loop's thread holding the GIL
-had it on their stack, the socket calls themselves included (py-spy --gil). Here a send or a receive is first tried without blocking, and only when
-ZeroMQ answers Again does it wait, in order behind those already waiting.
+had it on their stack, the socket calls themselves included (py-spy --gil). Here a send or
+a receive is first tried without blocking (unless others of its kind already wait: then it
+queues behind them), and only when ZeroMQ answers Again does it wait.
 
 How waiting works. A ZeroMQ socket's file descriptor turns readable when commands reach the
 socket (a message came into an empty queue, room was made in a full one), not when a message
-is there, and stays readable until the socket processes them: a send or a receive that
-answers Again has done so, and so has reading ZMQ_EVENTS. So a coroutine that was answered
-Again waits, and one reader callback, registered on the descriptor once, serves those
-waiting, in order, until Again or until none is left: nothing is then missed, since anything
-new signals again. With none waiting, the callback only reads ZMQ_EVENTS (which clears the
-descriptor, or the loop would call again at once). A send or a receive that succeeds may
-process commands too, among them one meant for the other kind: after one, those of the other
-kind still waiting are served at once. Reading ZMQ_EVENTS is not done otherwise: with the
-GIL held, it cost more than the rest of this module in a profile. A socket is used from one
-event loop's thread only.
+is there, and stays readable until the socket processes them. Reading ZMQ_EVENTS processes
+them all, and so does a receive that answers Again; a send processes them (at most once a
+millisecond) before it tries, not after an Again; a call that succeeds may process them
+too. So a coroutine answered Again waits, and one reader callback, registered on the
+descriptor once, serves those waiting, in order, until Again or until none is left. Any
+call may take a signal meant for the other kind (a receive, the room a waiting send needs;
+a send, the message a waiting receive needs): after a call of one kind while the other
+kind waits, those are served at once; and where sends wait, the callback ends by reading
+ZMQ_EVENTS, going on while a waiting kind can proceed, since a send's Again may have left
+commands unprocessed, and each kind's attempts may have taken the other's signal. With
+none waiting, the callback only reads ZMQ_EVENTS (which clears the descriptor, or the loop
+would call again at once). Otherwise ZMQ_EVENTS is not read: with the GIL held, it cost
+more than the rest of this module in a profile, and in this project only a DEALER whose
+peer is slow or gone ever has sends waiting. A socket is used from one event loop's thread
+only.
 
 Closing cancels whoever still waits, as `zmq.asyncio` does.
 """
@@ -32,15 +38,18 @@ from typing import Any
 
 import zmq
 
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # (ints: a zmq.PollEvent's & is slow)
+
 
 class LoopSocket:
     """`socket` (a plain, synchronous zmq.Socket) for coroutines of one event loop."""
 
-    __slots__ = ("_closed", "_loop", "_receivers", "_senders", "socket")
+    __slots__ = ("_closed", "_fd", "_loop", "_receivers", "_senders", "socket")
 
     def __init__(self, socket: zmq.Socket[Any]) -> None:
         self.socket = socket
         self._loop: asyncio.AbstractEventLoop | None = None  # whose reader watches the socket
+        self._fd = -1  # the descriptor watched (kept: readable after the socket is closed)
         self._receivers: deque[asyncio.Future[list[zmq.Frame]]] = deque()
         self._senders: deque[tuple[Sequence[Any], asyncio.Future[None]]] = deque()
         self._closed = False
@@ -51,7 +60,8 @@ class LoopSocket:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                pass
+                if self._senders:
+                    self._serve()
             else:
                 if self._senders:
                     self._serve()
@@ -68,7 +78,8 @@ class LoopSocket:
             try:
                 self.socket.send_multipart(parts, zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                pass
+                if self._receivers:
+                    self._serve()
             else:
                 if self._receivers:
                     self._serve()
@@ -83,15 +94,19 @@ class LoopSocket:
         if self._closed:
             return
         self._closed = True
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self.socket.FD)
-        waiting: list[asyncio.Future[Any]] = [*self._receivers, *(w for _, w in self._senders)]
-        for waiter in waiting:
-            if not waiter.done():
-                waiter.cancel()
-        self._receivers.clear()
-        self._senders.clear()
-        self.socket.close(linger=linger)
+        try:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._fd)
+            waiting: list[asyncio.Future[Any]] = [*self._receivers, *(w for _, w in self._senders)]
+            for waiter in waiting:
+                if not waiter.done():
+                    # (a loop closed with tasks still waiting refuses: nobody waits then)
+                    with contextlib.suppress(RuntimeError):
+                        waiter.cancel()
+        finally:
+            self._receivers.clear()
+            self._senders.clear()
+            self.socket.close(linger=linger)
 
     def _watch(self) -> asyncio.AbstractEventLoop:
         """The running loop, with the reader registered on it (once; again on a new loop)."""
@@ -101,8 +116,9 @@ class LoopSocket:
         if loop is not self._loop:
             if self._loop is not None and not self._loop.is_closed():
                 with contextlib.suppress(RuntimeError):  # (that loop's thread is gone)
-                    self._loop.remove_reader(self.socket.FD)
-            loop.add_reader(self.socket.FD, self._serve)
+                    self._loop.remove_reader(self._fd)
+            self._fd = self.socket.FD
+            loop.add_reader(self._fd, self._serve)
             self._loop = loop
         return loop
 
@@ -114,11 +130,17 @@ class LoopSocket:
         if not (self._receivers or self._senders):
             self.socket.get(zmq.EVENTS)
             return
-        progressed = True
-        while progressed and not self._closed:
+        while not self._closed:
             progressed = self._receive() if self._receivers else False
             if self._senders:
                 progressed = self._send() or progressed
+            if progressed:
+                continue
+            if not self._senders:
+                return  # the receive's Again processed every command: a change signals
+            events = int(self.socket.get(zmq.EVENTS))
+            if not (events & _POLLIN and self._receivers or events & _POLLOUT and self._senders):
+                return
 
     def _receive(self) -> bool:
         progressed = False

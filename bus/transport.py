@@ -115,6 +115,23 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
+def _new_sockets(context: zmq.Context[Any], kinds: Sequence[int], *, own_context: bool
+                 ) -> list[LoopSocket]:
+    """Sockets of these kinds; if one cannot be made (out of descriptors, say), those made
+    are closed, and the context too where it is ours alone, before the error goes on."""
+    made: list[LoopSocket] = []
+    try:
+        for kind in kinds:
+            made.append(LoopSocket(context.socket(kind)))
+    except BaseException:
+        for socket in made:
+            socket.close()
+        if own_context:
+            context.destroy(linger=0)
+        raise
+    return made
+
+
 async def _send(socket: LoopSocket, frames: Frames) -> Tracker | None:
     """Send large frames without copying them; the tracker is done once ZeroMQ has let go
     of every one of them (None if all were small enough to copy)."""
@@ -259,7 +276,7 @@ class ZmqRouter:
         host, port = split_endpoint(bind)
         self._context: zmq.Context[Any] = zmq.Context()
         self._gate: KeyGate | None = None
-        self._requests = LoopSocket(self._context.socket(zmq.ROUTER))
+        (self._requests,) = _new_sockets(self._context, [zmq.ROUTER], own_context=True)
         self._router = self._requests.socket
         try:
             if keys is not None:
@@ -312,8 +329,8 @@ class ZmqClient:
         self._connect = connect
         self._hub = hub
         self._context: zmq.Context[Any] = hub.context if hub is not None else zmq.Context()
-        self._requests = LoopSocket(self._context.socket(zmq.DEALER))
-        self._broadcasts = LoopSocket(self._context.socket(zmq.SUB))
+        self._requests, self._broadcasts = _new_sockets(
+            self._context, [zmq.DEALER, zmq.SUB], own_context=hub is None)
         self._dealer, self._sub = self._requests.socket, self._broadcasts.socket
         # The DEALER's connection events, read without the loop (see `connection_problem`).
         self._monitor: zmq.Socket[Any] | None = None

@@ -266,3 +266,128 @@ def test_a_receive_that_takes_a_senders_signal_serves_it() -> None:
             await _within(asyncio.gather(*sends))
 
     asyncio.run(main())
+
+
+def test_a_receive_answered_again_serves_the_sends_waiting() -> None:
+    """Sends wait past the high-water mark; the peer makes room; in the same step, before
+    the loop gets to the descriptor, a receive finds nothing and answers Again, having
+    processed the socket's commands, the room among them: the waiting sends go all the same."""
+    async def main() -> None:
+        async with _pair("inproc://recv-again", (zmq.DEALER, zmq.DEALER), hwm=2) as (a, b):
+            sends = [asyncio.ensure_future(a.send_multipart([bytes([i])])) for i in range(20)]
+            await asyncio.sleep(0.05)
+            waiting = sum(not s.done() for s in sends)
+            assert waiting, "the high-water mark held nothing back"
+
+            async def make_room_then_receive() -> None:
+                while True:  # (no await: the loop does not run)
+                    try:
+                        b.socket.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                time.sleep(0.05)  # noqa: ASYNC251 (blocking on purpose, as above)
+                await a.recv_multipart()  # Again: nothing came back; it waits
+
+            receiving = asyncio.ensure_future(make_room_then_receive())
+            await asyncio.sleep(0.2)
+            assert sum(not s.done() for s in sends) < waiting  # some went into the room
+            receiving.cancel()
+            for s in sends:
+                s.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_send_answered_again_serves_the_receive_waiting() -> None:
+    """A receive waits; the peer sends it a message; in the same step, a send on the full
+    socket answers Again, having processed the socket's commands first, the message's
+    among them: the waiting receive gets it all the same."""
+    async def main() -> None:
+        async with _pair("inproc://send-again", (zmq.DEALER, zmq.DEALER), hwm=2) as (a, b):
+            while True:  # a's way out full: nobody reads b
+                try:
+                    a.socket.send(b"fill", zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            receiving = asyncio.ensure_future(a.recv_multipart())
+            await asyncio.sleep(0.05)
+
+            async def peer_then_send() -> None:
+                b.socket.send(b"for the receiver")  # (no await: the loop does not run)
+                time.sleep(0.05)  # noqa: ASYNC251 (past libzmq's throttle of a send's commands)
+                await a.send_multipart([b"more"])  # Again: it waits
+
+            sending = asyncio.ensure_future(peer_then_send())
+            assert (await _within(receiving))[0].bytes == b"for the receiver"
+            sending.cancel()
+
+    asyncio.run(main())
+
+
+class _LateMessage:
+    """A socket whose second send lets the peer's message in just before it is tried: as
+    if the I/O thread delivered it between the callback's receive (Again) and its send."""
+
+    def __init__(self, real: zmq.Socket[Any], deliver: Any) -> None:
+        self._real, self._deliver, self.sends = real, deliver, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def send_multipart(self, *args: Any, **kwargs: Any) -> Any:
+        self.sends += 1
+        if self.sends == 2:
+            self._deliver()
+            time.sleep(0.05)  # arrived; and past libzmq's throttle of a send's commands
+        return self._real.send_multipart(*args, **kwargs)
+
+
+def test_a_message_that_lands_between_the_callbacks_two_calls_is_served() -> None:
+    """Receives and a send wait on a full DEALER; a message wakes the callback, which
+    serves one receive, the next receive answers Again, a second message lands, and the
+    send (Again) processes its signal: the callback reads ZMQ_EVENTS before it ends, and
+    the second receive gets its message."""
+    async def main() -> None:
+        async with _pair("inproc://late", (zmq.DEALER, zmq.DEALER), hwm=2) as (a, b):
+            while True:  # a's way out full: nobody reads b
+                try:
+                    a.socket.send(b"fill", zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            first, second = (asyncio.ensure_future(a.recv_multipart()) for _ in range(2))
+            sending = asyncio.ensure_future(a.send_multipart([b"waits"]))
+            await asyncio.sleep(0.05)
+            real = a.socket
+            late = _LateMessage(real, lambda: b.socket.send(b"second"))
+            a.socket = late  # type: ignore[assignment]
+            try:
+                b.socket.send(b"first")
+                assert (await _within(first))[0].bytes == b"first"
+                assert (await _within(second))[0].bytes == b"second"
+                assert late.sends >= 2  # the case was met
+            finally:
+                a.socket = real
+                sending.cancel()
+
+    asyncio.run(main())
+
+
+def test_closing_after_the_loop_closed_still_closes_the_socket() -> None:
+    """A loop closed while a receive still waited (its task never cancelled): closing the
+    socket afterwards neither raises nor leaves it open."""
+    context: zmq.Context[Any] = zmq.Context()
+    a, b = LoopSocket(context.socket(zmq.PAIR)), LoopSocket(context.socket(zmq.PAIR))
+    try:
+        a.socket.bind("inproc://closed-loop")
+        b.socket.connect("inproc://closed-loop")
+        loop = asyncio.new_event_loop()
+        waiting = loop.create_task(b.recv_multipart())
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert not waiting.done()
+        loop.close()
+        b.close()
+        assert b.socket.closed
+    finally:
+        a.close()
+        b.close()
+        context.destroy(linger=0)
