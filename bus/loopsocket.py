@@ -57,14 +57,14 @@ class LoopSocket:
     async def recv_multipart(self) -> list[zmq.Frame]:
         """The next message, its frames not copied."""
         if not self._receivers:
+            frames: list[zmq.Frame] | None
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                if self._senders:
-                    self._serve()
-            else:
-                if self._senders:
-                    self._serve()
+                frames = None
+            if self._senders:  # answered or not, it may have taken their signal
+                self._serve()
+            if frames is not None:
                 return frames
         # (answered Again just now, or behind others: either way a change will call _serve)
         waiter: asyncio.Future[list[zmq.Frame]] = self._watch().create_future()
@@ -77,12 +77,12 @@ class LoopSocket:
         if not self._senders:
             try:
                 self.socket.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                sent = True
             except zmq.Again:
-                if self._receivers:
-                    self._serve()
-            else:
-                if self._receivers:
-                    self._serve()
+                sent = False
+            if self._receivers:  # sent or not, it may have taken their signal
+                self._serve()
+            if sent:
                 return
         waiter: asyncio.Future[None] = self._watch().create_future()
         self._senders.append((parts, waiter))
