@@ -33,12 +33,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import zmq
 
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # (ints: a zmq.PollEvent's & is slow)
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 
 class LoopSocket:
@@ -50,7 +52,7 @@ class LoopSocket:
         self.socket = socket
         self._loop: asyncio.AbstractEventLoop | None = None  # whose reader watches the socket
         self._fd = -1  # the descriptor watched (kept: readable after the socket is closed)
-        self._receivers: deque[asyncio.Future[list[zmq.Frame]]] = deque()
+        self._receivers: deque[tuple[None, asyncio.Future[list[zmq.Frame]]]] = deque()
         self._senders: deque[tuple[Sequence[Any], asyncio.Future[None]]] = deque()
         self._closed = False
 
@@ -59,7 +61,7 @@ class LoopSocket:
         if not self._receivers:
             frames: list[zmq.Frame] | None
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self._receive_now(None)
             except zmq.Again:
                 frames = None
             if self._senders:  # answered or not, it may have taken their signal
@@ -68,7 +70,7 @@ class LoopSocket:
                 return frames
         # (answered Again just now, or behind others: either way a change will call _serve)
         waiter: asyncio.Future[list[zmq.Frame]] = self._watch().create_future()
-        self._receivers.append(waiter)
+        self._receivers.append((None, waiter))
         return await waiter
 
     async def send_multipart(self, parts: Sequence[Any]) -> None:
@@ -76,7 +78,7 @@ class LoopSocket:
         not copied: see bus.transport._send)."""
         if not self._senders:
             try:
-                self.socket.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                self._send_now(parts)
                 sent = True
             except zmq.Again:
                 sent = False
@@ -97,7 +99,8 @@ class LoopSocket:
         try:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
-            waiting: list[asyncio.Future[Any]] = [*self._receivers, *(w for _, w in self._senders)]
+            waiting: list[asyncio.Future[Any]] = [
+                *(w for _, w in self._receivers), *(w for _, w in self._senders)]
             for waiter in waiting:
                 if not waiter.done():
                     # (a loop closed with tasks still waiting refuses: nobody waits then)
@@ -131,9 +134,9 @@ class LoopSocket:
             self.socket.get(zmq.EVENTS)
             return
         while not self._closed:
-            progressed = self._receive() if self._receivers else False
+            progressed = _settle(self._receivers, self._receive_now) if self._receivers else False
             if self._senders:
-                progressed = self._send() or progressed
+                progressed = _settle(self._senders, self._send_now) or progressed
             if progressed:
                 continue
             if not self._senders:
@@ -142,42 +145,32 @@ class LoopSocket:
             if not (events & _POLLIN and self._receivers or events & _POLLOUT and self._senders):
                 return
 
-    def _receive(self) -> bool:
-        progressed = False
-        while self._receivers:
-            waiter = self._receivers[0]
-            if waiter.done():  # cancelled while it waited
-                self._receivers.popleft()
-                continue
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            except zmq.ZMQError as e:
-                self._receivers.popleft()
-                waiter.set_exception(e)
-            else:
-                self._receivers.popleft()
-                waiter.set_result(frames)
-            progressed = True
-        return progressed
+    def _receive_now(self, _: None) -> list[zmq.Frame]:
+        return self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
 
-    def _send(self) -> bool:
-        progressed = False
-        while self._senders:
-            parts, waiter = self._senders[0]
-            if waiter.done():  # cancelled while it waited: not sent
-                self._senders.popleft()
-                continue
-            try:
-                self.socket.send_multipart(parts, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            except zmq.ZMQError as e:
-                self._senders.popleft()
-                waiter.set_exception(e)
-            else:
-                self._senders.popleft()
-                waiter.set_result(None)
-            progressed = True
-        return progressed
+    def _send_now(self, parts: Sequence[Any]) -> None:
+        self.socket.send_multipart(parts, zmq.NOBLOCK, copy=False)
+
+
+def _settle(waiting: deque[tuple[_A, asyncio.Future[_R]]], attempt: Callable[[_A], _R]) -> bool:
+    """Settle the waiters at the head of `waiting` with `attempt(argument)`, in order, until
+    ZeroMQ answers Again; whether any was settled. A waiter cancelled while it waited is
+    dropped (a send: not sent)."""
+    progressed = False
+    while waiting:
+        argument, waiter = waiting[0]
+        if waiter.done():
+            waiting.popleft()
+            continue
+        try:
+            result = attempt(argument)
+        except zmq.Again:
+            break
+        except zmq.ZMQError as e:
+            waiting.popleft()
+            waiter.set_exception(e)
+        else:
+            waiting.popleft()
+            waiter.set_result(result)
+        progressed = True
+    return progressed
