@@ -17,11 +17,17 @@ file of the other's, as segments will be opened.
 Ownership: a coordinator reads a push's tensors until it has answered the push (the
 finiteness check, the fold) and, for a push it keeps, until the step that uses it, which
 comes before the version that step makes is published. So a worker writes buffers it
-pushed by reference again only once every coordinator it pushed them to has answered and
-published a newer version: only where it waits for both anyway (sync, with or without
-backups: `strategies.base.Wait.NEWER` with gradients pushed), never pipelined (see
-`nodes.worker`). One case breaks the rule, and the coordinator mends it: a worker that
-joins again while the coordinator still holds its last push (kept for a step that waits
+pushed by reference again only once every coordinator it pushed them to is done with them
+(see `nodes.worker`):
+- sync, with or without backups (`strategies.base.Wait.NEWER`, gradients pushed): once
+  each has answered and published a newer version, which it waits for anyway;
+- async (`Wait.NOTHING`; pipelined: the next gradient goes into the other set while this
+  one is out): once each has answered. A coordinator answers a push by reference of a
+  rhythm that does not wait for a newer version only after the step that takes it, or,
+  kept for a later step, once it has copied it out of the segment (`Coordinator._push`).
+Ssp pushes bytes: its worker waits for its answer before it computes, and that answer
+would then wait for the step. One case breaks the rule, and the coordinator mends it: a
+worker that joins again while the coordinator still holds its last push (kept for a step that waits
 for a straggler) computes again at once; so a coordinator copies a joining worker's held
 push out of its segment before it welcomes it (`Coordinator._join`).
 

@@ -589,7 +589,9 @@ class Coordinator:
         if fold is not None and finite and Keep(member.rank, message.version) not in decisions:
             self._let_go_of_fold()  # folded, but not taken: the step must not count it
         self.metrics.worker(member.rank)["pushes"] += 1
-        if self._shelf is not None and message.tensors and self._shelf.holds(message.tensors[0]):
+        by_reference = bool(self._shelf is not None and message.tensors
+                             and self._shelf.holds(message.tensors[0]))
+        if by_reference:
             self.metrics.worker(member.rank)["by_reference"] += 1
         self.watch.pushed(member.rank, message, time.time())
         dropped = ""
@@ -604,6 +606,20 @@ class Coordinator:
         if dropped:
             await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
             self.watch.answered(member.rank)
+        elif by_reference and self.strategy.rhythm.wait is not Wait.NEWER:
+            # Its sender writes these buffers again once answered, not once a newer version
+            # comes (bus.shared, Ownership): answered after the step that takes the push,
+            # or, kept for a later one, once copied out.
+            member.clock = max(member.clock, message.clock + 1)
+            if any(isinstance(d, Apply) and member.rank in d.workers for d in decisions):
+                await self._carry_out(decisions)
+                decisions = []
+            else:
+                self._copy_held(member.rank)
+            if self.state in (State.STOPPING, State.STOPPED):  # (that step was the last)
+                await self._reply(peer, Stop(request=message.request, version=self.version))
+            else:
+                await self._answer(peer, member, message.request, decisions, now, push=True)
         else:
             member.clock = max(member.clock, message.clock + 1)  # what it says, once taken
             # Answered before the step is taken, so that a worker that need not wait goes on.

@@ -105,7 +105,7 @@ class FlatModel:
         except OSError:
             if first:
                 raise  # (share_grads then leaves the sets as they were)
-            # A second set is async's, which never pushes by reference: private will do.
+            # A second set is async's: pushes from a private one carry their bytes.
             return self._allocate(self.device)
 
     def share_grads(self, allocate: Allocate) -> None:

@@ -254,14 +254,18 @@ class Worker:
         # Async holds nobody back: the next gradient is computed, into the other set of
         # buffers, while this one is on the wire (its answers are taken meanwhile).
         pipelined = wait is Wait.NOTHING and not weights_pushed
-        # By reference, the buffers pushed are read where they lie until every shard has
-        # answered and published a newer version (bus.shared): only where the loop waits
-        # for both before the next backward writes them (Wait.NEWER), and only the flat
-        # gradients themselves (not weights, nor what --compress makes of them). Moved
-        # there before Ready: not on training time, and in a thread (the loop beats on).
+        # By reference, the buffers pushed are read where they lie until the step that
+        # takes them (bus.shared, Ownership): only where the loop waits for that before the
+        # next backward writes them again, and only the flat gradients themselves (not
+        # weights, nor what --compress makes of them). Sync waits for a newer version;
+        # async writes a set again once its push is answered, which a coordinator does
+        # after the step for a push by reference. (Ssp waits for its answer before it
+        # computes, which would then wait for the step: its pushes carry their bytes, a
+        # choice not measured.) Moved there before Ready: not on training time, and in a
+        # thread (the loop beats on).
         refer = (await asyncio.to_thread(self._shared_grads)
-                 if wait is Wait.NEWER and not weights_pushed and not welcome.compress
-                 and any(link.shared for link in self.links) else None)
+                 if wait in (Wait.NEWER, Wait.NOTHING) and not weights_pushed
+                 and not welcome.compress and any(link.shared for link in self.links) else None)
         # Answered when the coordinators' start gates open: everyone starts together.
         await asyncio.gather(*(
             link.request(Ready(sender=self.rank, version=link.version,

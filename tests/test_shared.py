@@ -3,14 +3,16 @@
 Unit: an arena's buffers and where they lie, a shelf reading them (and refusing what is not
 ours to read), the probe, a killed creator's segment unlinked by the resource tracker, the
 codec. In one loop: sync over real ZeroMQ pushes by reference and makes the same bits as
-with bytes (a NaN push dropped alike); async never pushes by reference; a worker with no
-room in /dev/shm pushes bytes. The multi-process runs are in tests/test_colocated_local.py.
+with bytes (a NaN push dropped alike); async pushes both its sets by reference, ssp bytes;
+a push by reference whose worker needs no newer version is answered only once the
+coordinator has let go of it; a worker with no room in /dev/shm pushes bytes. The multi-process runs are in tests/test_colocated_local.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -21,16 +23,19 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 from test_fold import LR, _model, _worker
 from torch import nn
 
 from bus.codec import decode, encode
 from bus.errors import WireError
-from bus.messages import Push, RejectCode, Weights
+from bus.messages import BUILD, Ack, Join, Push, Ready, RejectCode, Weights, Welcome
 from bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
 from nodes import Coordinator, CoordinatorConfig
 from nodes.flat import FlatModel
-from strategies import Async, Sync
+from strategies import Async, StaleSync, Sync
+from strategies.base import PushKind, Rhythm, Wait
 
 pytestmark = pytest.mark.skipif(not ROOT.is_dir(), reason="no /dev/shm on this machine")
 
@@ -252,12 +257,109 @@ def test_sync_pushes_by_reference_and_makes_the_same_bits_as_with_bytes(poisoned
     assert _ours() == before  # the workers' and the coordinator's segments are unlinked
 
 
-def test_async_never_pushes_by_reference() -> None:
-    """A pipelined worker computes into one set while the other is on the wire, and the
-    coordinator may still hold it: it sends the bytes."""
-    _, summary = _train(Async(workers=2), shared=True)
+def test_async_pushes_both_gradient_sets_by_reference() -> None:
+    """A pipelined worker computes into one set while the other is out; both lie in shared
+    memory, and it writes one again once its push is answered (after the step)."""
+    before = _ours()
+    weights, summary = _train(Async(workers=2), shared=True)
+    assert summary["steps"] == 8 and summary["dropped"] == {}
     assert sum(w["pushes"] for w in summary["per_worker"].values()) >= 8
+    for worker in summary["per_worker"].values():
+        assert worker["pushes"] >= 1 and worker["by_reference"] == worker["pushes"]
+    assert all(bool(torch.isfinite(w).all()) for w in weights)
+    assert _ours() == before
+
+
+def test_ssp_pushes_bytes() -> None:
+    """Its worker waits for the answer before it computes: answered only after the step, a
+    push by reference would put the step on that path (bus.shared)."""
+    _, summary = _train(StaleSync(workers=2, staleness=1), shared=True)
+    assert summary["steps"] == 8
     assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
+
+
+@pytest.mark.parametrize(("applied", "momentum"), [(True, 0.0), (False, 0.0), (False, 0.9)],
+                         ids=["step-at-once", "kept-folded", "kept-for-the-step"])
+def test_a_push_by_reference_that_needs_no_newer_version_is_answered_once_let_go_of(
+        applied: bool, momentum: float) -> None:
+    """Its sender writes its buffers again once answered. Async's step takes it at once:
+    the answer comes after that step (and names the version that holds it). A strategy
+    that keeps it for a later step while its worker goes on (here a sync whose workers do
+    not wait): plain SGD folds it in as it comes (nodes.fold); any other optimizer reads
+    it at the step, so the coordinator copies it out of the segment first. Each time the
+    buffer is overwritten the moment the answer comes, and the step still reads the push.
+    (Momentum's first step is plain SGD's: its buffer starts as the gradient.)"""
+    strategy: Any = Async(workers=2)
+    if not applied:
+        strategy = Sync(workers=2)
+        strategy.rhythm = Rhythm(push=PushKind.GRADIENT, local_steps=1, wait=Wait.NOTHING)
+
+    async def scenario() -> None:
+        coordinator = Coordinator(model=_model(), strategy=strategy,
+                                  config=CoordinatorConfig(batch_size=8, steps=5),
+                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=momentum))
+        endpoint = coordinator.bind()
+        run = asyncio.create_task(coordinator.run())
+        context = zmq.asyncio.Context()
+        probe, arena = Probe(), Arena()
+        dealers = []
+        for _ in range(2):
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(endpoint)
+            dealers.append(dealer)
+
+        async def ask(rank: int, message: Any, refer: Any = None) -> Any:
+            await dealers[rank].send_multipart(encode(message, refer=refer))
+            frames = await asyncio.wait_for(dealers[rank].recv_multipart(copy=False), 10.0)
+            return decode([f.buffer for f in frames])
+
+        try:
+            digest = coordinator.flat.layout.digest
+            for rank in (0, 1):
+                welcome = await ask(rank, Join(request=1, rank=rank, layout=digest, build=BUILD,
+                                               shared=probe.offer))
+                assert isinstance(welcome, Welcome) and welcome.shared
+            await dealers[1].send_multipart(encode(Ready(sender=1, request=2, batches=10)))
+            assert isinstance(await ask(0, Ready(sender=0, request=2, batches=10)), Ack)
+            await asyncio.wait_for(dealers[1].recv_multipart(), 10.0)
+            before = [w.clone() for w in coordinator.flat.weights]
+            torch.manual_seed(1)
+            grads = arena.allocate([(b.numel, b.dtype) for b in coordinator.flat.layout.buckets])
+            for g in grads:
+                g.normal_()
+            pushed = [g.clone() for g in grads]
+            reply = await ask(0, Push(sender=0, request=3, version=0, clock=0, loss=1.0,
+                                      samples=8, tensors=grads), refer=arena.locate)
+            assert isinstance(reply, Ack) and not reply.dropped
+            for g in grads:
+                g.fill_(math.nan)  # its next backward
+            assert coordinator.metrics.worker(0)["by_reference"] == 1
+            if applied:
+                assert reply.version == coordinator.version == 1
+                mean = pushed
+            else:
+                assert reply.version == coordinator.version == 0
+                other = [torch.randn(b.numel, dtype=b.dtype) for b in coordinator.flat.layout.buckets]
+                reply = await ask(1, Push(sender=1, request=3, version=0, clock=0, loss=1.0,
+                                          samples=8, tensors=tuple(other)))
+                assert isinstance(reply, Ack) and not reply.dropped
+                for _ in range(100):  # (answered before its step: sync's worker waits for it)
+                    if coordinator.version == 1:
+                        break
+                    await asyncio.sleep(0.05)
+                assert coordinator.version == 1
+                mean = [(a + b) / 2 for a, b in zip(pushed, other, strict=True)]
+            for w, w0, g in zip(coordinator.flat.weights, before, mean, strict=True):
+                torch.testing.assert_close(w, w0 - LR * g)
+        finally:
+            context.destroy(linger=0)
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            probe.close()
+            arena.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_worker_with_no_room_in_shared_memory_pushes_bytes(
