@@ -98,10 +98,14 @@ def split(seconds: float = 8.0) -> tuple[dict[str, float], float]:
 
 
 def _children(pid: int) -> list[int]:
+    """The worker processes the launcher started: not multiprocessing's resource tracker,
+    which shared memory (bus.shared) starts beside them."""
     found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+            if (entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text()
+                                        .rsplit(")", 1)[1].split()[1]) == pid
+                    and b"resource_tracker" not in Path(f"/proc/{entry}/cmdline").read_bytes()):
                 found.append(int(entry))
         except (FileNotFoundError, ProcessLookupError):
             continue
