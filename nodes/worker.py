@@ -255,14 +255,14 @@ class Worker:
         # buffers, while this one is on the wire (its answers are taken meanwhile).
         pipelined = wait is Wait.NOTHING and not weights_pushed
         # By reference, the buffers pushed are read where they lie until the step that
-        # takes them (bus.shared, Ownership): only where the loop waits for that before the
-        # next backward writes them again, and only the flat gradients themselves (not
-        # weights, nor what --compress makes of them). Sync waits for a newer version;
-        # async writes a set again once its push is answered, which a coordinator does
-        # after the step for a push by reference. (Ssp waits for its answer before it
-        # computes, which would then wait for the step: its pushes carry their bytes, a
-        # choice not measured.) Moved there before Ready: not on training time, and in a
-        # thread (the loop beats on).
+        # takes them, or until copied out (bus.shared, Ownership): only where the loop
+        # waits for that before the next backward writes them again, and only the flat
+        # gradients themselves (not weights, nor what --compress makes of them). Sync
+        # waits for a newer version; async writes a set again once its push is answered,
+        # which a coordinator does after the step for a push by reference. (Ssp waits for
+        # its answer before it computes, which would then wait for the step: its pushes
+        # carry their bytes, a choice not measured.) Moved there before Ready: not on
+        # training time, and in a thread (the loop beats on).
         refer = (await asyncio.to_thread(self._shared_grads)
                  if wait in (Wait.NEWER, Wait.NOTHING) and not weights_pushed
                  and not welcome.compress and any(link.shared for link in self.links) else None)

@@ -76,6 +76,28 @@ def test_local_trains_and_writes_the_summary(tmp_path: Path) -> None:
     assert _left_running(str(spec)) == []
 
 
+def test_async_pushes_by_reference_and_learns_as_with_bytes(tmp_path: Path) -> None:
+    """Async's pipelined workers push both gradient sets from shared memory by default
+    (bus.shared), bytes with --no-shared-memory; each run learns, and no segment is left."""
+    spec = _spec(tmp_path, "digits_async")
+    segments = set(Path("/dev/shm").glob("tensorbus-*"))
+    common = ["local", str(spec), "--workers", "2", "--strategy", "async", "--steps", "150",
+              "--batch-size", "16", "--lr", "0.1", *FAST]
+    runs = {}
+    for name, extra in (("by reference", []), ("bytes", ["--no-shared-memory"])):
+        done = _run([*common, *extra])
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = json.loads(done.stdout)
+    for name, summary in runs.items():
+        assert (summary["strategy"], summary["steps"], summary["dropped"]) == ("async", 150, {}), name
+        assert summary["accuracy"] > 0.5, name  # 150 updates of 16 samples: well past chance
+        assert sum(w["pushes"] for w in summary["per_worker"].values()) >= 150, name
+    assert all(w["by_reference"] == w["pushes"] > 0 for w in runs["by reference"]["per_worker"].values())
+    assert all(w["by_reference"] == 0 for w in runs["bytes"]["per_worker"].values())
+    assert set(Path("/dev/shm").glob("tensorbus-*")) == segments
+    assert _left_running(str(spec)) == []
+
+
 def test_a_spec_without_model_fails_in_one_line(tmp_path: Path) -> None:
     spec = _spec(tmp_path, "no_model", "def data(r, w, b):\n    return []\n\n"
                                        "def loss(o, t):\n    return o\n")
