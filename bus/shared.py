@@ -25,11 +25,11 @@ pushed by reference again only once every coordinator it pushed them to is done 
   one is out): once each has answered. A coordinator answers a push by reference of a
   rhythm that does not wait for a newer version only after the step that takes it, or,
   kept for a later step, once it has copied it out of the segment (`Coordinator._push`).
-Ssp pushes bytes: its worker waits for its answer before it computes, and that answer
-would then wait for the step. One case breaks the rule, and the coordinator mends it: a
-worker that joins again while the coordinator still holds its last push (kept for a step that waits
-for a straggler) computes again at once; so a coordinator copies a joining worker's held
-push out of its segment before it welcomes it (`Coordinator._join`).
+Ssp pushes bytes for now (benchmarks/results/ssp-by-reference says why). One case breaks
+the rule, and the coordinator mends it: a worker that joins again while the coordinator
+still holds its last push (kept for a step that waits for a straggler) computes again at
+once; so a coordinator copies a joining worker's held push out of its segment before it
+welcomes it (`Coordinator._join`).
 
 Trust: references are taken only from members, only in a Push, only for float tensors,
 only from regular files of the coordinator's own user named as here, and only for bytes

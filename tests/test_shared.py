@@ -271,8 +271,7 @@ def test_async_pushes_both_gradient_sets_by_reference() -> None:
 
 
 def test_ssp_pushes_bytes() -> None:
-    """Its worker waits for the answer before it computes: answered only after the step, a
-    push by reference would put the step on that path (bus.shared)."""
+    """Not yet by reference (benchmarks/results/ssp-by-reference says why)."""
     _, summary = _train(StaleSync(workers=2, staleness=1), shared=True)
     assert summary["steps"] == 8
     assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
