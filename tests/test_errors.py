@@ -125,6 +125,24 @@ def test_an_interrupt_while_starting_is_one_line_and_status_130() -> None:
     assert stderr.strip() == "tensorbus: error: interrupted"
 
 
+def test_an_interrupt_that_a_spec_library_swallows_is_still_an_interrupt(tmp_path: Path) -> None:
+    """Ctrl-C while the SPEC imports, caught by a library's bare `except:`, which then fails
+    on its half-made state (a RecursionError, seen once in CI when the interrupt above
+    landed there): the run ends as interrupted, not with the library's error."""
+    spec = tmp_path / "swallows.py"
+    spec.write_text(Path(DIGITS).read_text().replace("from __future__ import annotations", (
+        "from __future__ import annotations\n"
+        "import os, signal, time\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "except:  # noqa: E722 - as the library did\n"
+        "    pass\n"
+        "raise RecursionError('maximum recursion depth exceeded')\n"), 1))
+    done = _tensorbus("local", str(spec), "--workers", "1")
+    assert (done.returncode, done.stderr.strip()) == (130, "tensorbus: error: interrupted")
+
+
 def test_a_public_address_without_keys() -> None:
     done = _tensorbus("coordinator", DIGITS, "--bind", "tcp://0.0.0.0:5555", "--workers", "1")
     assert done.returncode == 2
