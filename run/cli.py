@@ -28,7 +28,7 @@ from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import TrainingError
 from nodes.relay import Relay
 from nodes.worker import ComputeError, DataError, Worker
-from run import cluster, device
+from run import cluster, device, interrupts
 from run.faults import parse_worker
 from run.local import LocalRunError, launch_local
 from run.memory import keep_freed_memory
@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
 
     def fail(e: BaseException, text: str, status: int) -> int:
+        if status != 130 and interrupts.noted():
+            # Ctrl-C came, a library swallowed it, and this failed on what it left half made.
+            e, text, status = KeyboardInterrupt(), "interrupted", 130
         if args.debug:
             traceback.print_exception(e)
         elif e.__cause__ is not None and not isinstance(e.__cause__, _OURS):

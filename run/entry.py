@@ -11,14 +11,23 @@ import sys
 
 
 def main() -> int:
+    from run import interrupts
+
+    interrupts.note()
     try:
         from run.cli import main as cli
     except KeyboardInterrupt:
-        worker = sys.argv[1:2] == ["worker"]  # a worker's errors are read by its launcher
-        print(f"{'' if worker else 'tensorbus: '}error: interrupted", file=sys.stderr, flush=True)
-        # Not a return: an interrupt that landed in code run by exec() from a string (as
-        # dataclasses and torch's import do) makes CPython 3.11 end the process by SIGINT
-        # at exit, even once caught; nothing needs finalizing yet.
-        sys.stdout.flush()
-        os._exit(130)
+        _interrupted()
+    if interrupts.noted():  # swallowed by a library while it imported: it may be half made
+        _interrupted()
     return cli()
+
+
+def _interrupted() -> None:
+    worker = sys.argv[1:2] == ["worker"]  # a worker's errors are read by its launcher
+    print(f"{'' if worker else 'tensorbus: '}error: interrupted", file=sys.stderr, flush=True)
+    # Not a return: an interrupt that landed in code run by exec() from a string (as
+    # dataclasses and torch's import do) makes CPython 3.11 end the process by SIGINT at
+    # exit, even once caught; nothing needs finalizing yet.
+    sys.stdout.flush()
+    os._exit(130)

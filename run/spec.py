@@ -7,14 +7,11 @@ line names the SPEC, the function, and what was expected.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import inspect
-import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -93,48 +90,20 @@ def _import(text: str) -> ModuleType | Any:
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module  # dataclasses and pickling of local classes look it up
         try:
-            with _interrupts_noticed() as interrupted:
-                module_spec.loader.exec_module(module)
+            module_spec.loader.exec_module(module)
         except Exception as e:
-            if interrupted:
-                raise KeyboardInterrupt from None  # (its own line: no traceback to offer)
             raise SpecError(f"SPEC {text}: importing it raised {type(e).__name__}: {e}") from e
         return module
     module_name, _, attribute = text.partition(":")
     try:
-        with _interrupts_noticed() as interrupted:
-            module = importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
     except Exception as e:
-        if interrupted:
-            raise KeyboardInterrupt from None
         raise SpecError(f"SPEC {text}: importing {module_name} raised {type(e).__name__}: {e}") from e
     if not attribute:
         return module
     if not hasattr(module, attribute):
         raise SpecError(f"SPEC {text}: module {module_name} has no attribute {attribute!r}")
     return getattr(module, attribute)
-
-
-@contextlib.contextmanager
-def _interrupts_noticed() -> Iterator[list[bool]]:
-    """Ctrl-C while a SPEC imports raises KeyboardInterrupt as ever, and is noted (the list
-    is then not empty): a library that swallows it in a bare `except:` may fail later on
-    its half-made state (a RecursionError, seen once), and that is the interrupt's doing,
-    not the SPEC's. In the main thread only (signal handlers live there)."""
-    noted: list[bool] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield noted
-        return
-
-    def note(signum: int, frame: Any) -> None:
-        noted.append(True)
-        raise KeyboardInterrupt
-
-    before = signal.signal(signal.SIGINT, note)
-    try:
-        yield noted
-    finally:
-        signal.signal(signal.SIGINT, before)
 
 
 def _takes(function: Callable[..., Any], arity: int) -> bool:
