@@ -606,24 +606,23 @@ class Coordinator:
         if dropped:
             await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
             self.watch.answered(member.rank)
-        elif by_reference and self.strategy.rhythm.wait is not Wait.NEWER:
-            # Its sender writes these buffers again once answered, not once a newer version
-            # comes (bus.shared, Ownership): answered after the step that takes the push,
-            # or, kept for a later one, once copied out.
-            member.clock = max(member.clock, message.clock + 1)
-            if any(isinstance(d, Apply) and member.rank in d.workers for d in decisions):
-                await self._carry_out(decisions)
-                decisions = []
-            else:
-                self._copy_held(member.rank)
-            if self.state in (State.STOPPING, State.STOPPED):  # (that step was the last)
+        else:
+            member.clock = max(member.clock, message.clock + 1)  # what it says, once taken
+            # Answered before the step is taken, so that a worker that need not wait goes on;
+            # but one that pushed by reference and waits for no newer version writes these
+            # buffers again once answered (bus.shared, Ownership): answered after the step
+            # that takes the push, or, kept for a later one, once copied out.
+            stepped = False
+            if by_reference and self.strategy.rhythm.wait is not Wait.NEWER:
+                if any(isinstance(d, Apply) and member.rank in d.workers for d in decisions):
+                    await self._carry_out(decisions)
+                    decisions, stepped = [], True
+                else:
+                    self._copy_held(member.rank)
+            if stepped and self.state in (State.STOPPING, State.STOPPED):  # (the last step)
                 await self._reply(peer, Stop(request=message.request, version=self.version))
             else:
                 await self._answer(peer, member, message.request, decisions, now, push=True)
-        else:
-            member.clock = max(member.clock, message.clock + 1)  # what it says, once taken
-            # Answered before the step is taken, so that a worker that need not wait goes on.
-            await self._answer(peer, member, message.request, decisions, now, push=True)
         await self._carry_out(decisions)
         if self.state is State.TRAINING and all(
                 self._not_finite.get(m.rank, 0) >= _DIVERGED_AFTER for m in self._members):
