@@ -34,20 +34,34 @@ class SendBuffers:
     """Reusable buffer sets; a set is free again once every send of it is done."""
 
     def __init__(self, allocate: Callable[[], tuple[torch.Tensor, ...]], *, keep: int = 4,
-                 held: Callable[[tuple[torch.Tensor, ...]], bool] | None = None) -> None:
+                 held: Callable[[tuple[torch.Tensor, ...]], bool] | None = None,
+                 reused: Callable[[tuple[torch.Tensor, ...]], None] | None = None,
+                 dropped: Callable[[tuple[torch.Tensor, ...]], None] | None = None) -> None:
         """`held`, if given, says whether someone other than a send still reads a released
         set (a colocated worker computing on it: see nodes.handover); such a set stays out
-        of the pool until it is let go of too."""
+        of the pool until it is let go of too. `reused` is called with a set about to be
+        written again, and `dropped` with one the pool lets go of (sets in shared memory
+        that workers read by reference: bus.shared.Gallery); with `reused`, a set is reused
+        only while `keep` others are free, the one released longest ago first, so that
+        readers have the most time (a few versions) before it changes."""
         self._allocate = allocate
         self._keep = keep  # free sets kept for reuse; more in flight than that are let go
         self._is_held = held
+        self._reused, self._dropped = reused, dropped
         self._free: list[tuple[torch.Tensor, ...]] = []
         self._busy: list[tuple[tuple[torch.Tensor, ...], list[Tracker | None]]] = []
 
     def take(self) -> tuple[torch.Tensor, ...]:
         """A buffer set that no send reads; its contents are stale and must be overwritten."""
         self._collect()
-        return self._free.pop() if self._free else self._allocate()
+        if self._reused is None:
+            # The last released: the likeliest still in cache.
+            return self._free.pop() if self._free else self._allocate()
+        if len(self._free) <= self._keep - 1:
+            return self._allocate()
+        buffers = self._free.pop(0)
+        self._reused(buffers)
+        return buffers
 
     def release(self, buffers: tuple[torch.Tensor, ...], trackers: list[Tracker | None]) -> None:
         """The owner is done with `buffers`; they return to the pool once these sends are."""
@@ -64,6 +78,8 @@ class SendBuffers:
             if all(t is None or t.done for t in trackers) and not self.held(buffers):
                 if len(self._free) < self._keep:
                     self._free.append(buffers)
+                elif self._dropped is not None:
+                    self._dropped(buffers)
             else:
                 still.append((buffers, trackers))
         self._busy = still

@@ -19,7 +19,8 @@ Neither direction copies tensor bytes:
 - `decode` returns tensors made by `torch.frombuffer` over the received frames; they share
   the frames' memory and keep them alive for as long as they live. A tensor by reference
   is a read-only view of the sender's segment (`bus.shared.Shelf`): the sender's memory,
-  which it does not write until the receiver is done (the rule in `bus.shared`). A tensor of more than
+  which a worker does not write until its coordinator is done with a push, and which a
+  reader of weights checks it copied whole (the rules in `bus.shared`). A tensor of more than
   one frame comes back as `bus.pieces.Pieces`, one 1-D tensor a frame.
 """
 
@@ -198,9 +199,10 @@ def _decode(
             if shelf is None:
                 raise SharedTensorError("a tensor by reference (shared memory), which this node "
                                         "does not take: send the bytes")
-            if kind is not Kind.PUSH or not spec.dtype.is_floating_point:
+            if kind not in (Kind.PUSH, Kind.WEIGHTS) or not spec.dtype.is_floating_point:
                 raise SharedTensorError(f"a {spec.dtype} tensor by reference in a {kind.name}: "
-                                        "only a push's float tensors may come by reference")
+                                        "only the float tensors of a push or of weights may "
+                                        "come by reference")
             tensors.append(shelf.view(spec.ref, spec.nbytes, spec.dtype).view(spec.shape))
             continue
         tensors.append(_tensor(frames[first : first + spec.frames], spec))

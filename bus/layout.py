@@ -167,6 +167,10 @@ class Layout:
             buckets.append(Bucket(dtype, span.numel))
         return Shard(Layout(tuple(entries), tuple(buckets)), tuple(spans))
 
+    def sizes(self) -> list[tuple[int, torch.dtype]]:
+        """(numel, dtype) of each bucket's flat buffer."""
+        return [(b.numel, b.dtype) for b in self.buckets]
+
     def allocate(self) -> tuple[torch.Tensor, ...]:
         """Fresh zeroed flat buffers, one per bucket."""
         return tuple(torch.zeros(b.numel, dtype=b.dtype) for b in self.buckets)

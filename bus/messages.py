@@ -18,8 +18,9 @@ from typing import ClassVar, Final
 from bus.pieces import Received
 
 # 2: pushes carry telemetry, acks the time held; 3: chunked tensors; 4: Changes;
-# 5: tensors by reference (bus.shared) and the Welcome's offer of them
-PROTOCOL_VERSION: Final = 5
+# 5: tensors by reference (bus.shared) and the Welcome's offer of them; 6: broadcasts
+# under a topic frame, a version's weights by reference too (Weights.generation)
+PROTOCOL_VERSION: Final = 6
 
 
 def _build() -> str:
@@ -191,6 +192,9 @@ class Weights(Message):
     KIND = Kind.WEIGHTS
     CARRIES_TENSORS = True
     TENSORS_OPTIONAL = True  # none: "you have the newest", the answer to a Pull of it
+    # Broadcast by reference to a worker of the coordinator's host: the generation of the
+    # shared set the tensors lie in, as published (bus.shared.Gallery); otherwise 0.
+    generation: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

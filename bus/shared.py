@@ -31,9 +31,17 @@ still holds its last push (kept for a step that waits for a straggler) computes 
 once; so a coordinator copies a joining worker's held push out of its segment before it
 welcomes it (`Coordinator._join`).
 
-Trust: references are taken only from members, only in a Push, only for float tensors,
-only from regular files of the coordinator's own user named as here, and only for bytes
-inside them. A sender may still change its bytes after they were checked: on one host as
+Weights go the other way by reference too: a coordinator makes its versions in sets of a
+`Gallery` (shared memory) and broadcasts to the workers of its host where the new version
+lies, under a topic of its own (`bus.transport`), not its bytes. A version's readers are
+not counted: the pool writes a set again only some versions after it was published
+(`bus.buffers.SendBuffers` with `reused`), bumping its generation counter first, and a
+worker checks the counter after its copy and pulls the version's bytes if it moved
+(`nodes.link.Link.load_shared`): a torn copy is never computed on.
+
+Trust: a coordinator takes references only from members, only in a Push, and a worker
+only from its coordinator, only in Weights; only for float tensors, only from regular files
+of its own user named as here, and only for bytes inside them. A sender may still change its bytes after they were checked: on one host as
 one user, it could as well write the coordinator's memory.
 
 Lifetime: the creator of a segment unlinks its file when it closes the arena, at exit, or,
@@ -50,8 +58,10 @@ later write) and the worker sends the bytes, as over any other link.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
+import platform
 import re
 import secrets
 import signal
@@ -59,7 +69,7 @@ import stat
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -67,6 +77,7 @@ import torch
 
 from bus.errors import WireError
 
+log = logging.getLogger("tensorbus.shared")
 ROOT = Path("/dev/shm")
 _NAME = re.compile(r"tensorbus-[0-9]{1,10}-[0-9a-f]{16}")
 _ALIGN = 4096  # each buffer of a set starts on a page
@@ -160,11 +171,97 @@ class Arena:
                 return [name, first - start]
         return None
 
+    def unlink(self, name: str) -> None:
+        """Unlink segment `name` and forget where it lies (tensors over it stay valid)."""
+        for segment in [s for s in self._segments if s.name == name]:
+            segment.unlink()
+            self._segments.remove(segment)
+        self._spans = [span for span in self._spans if span[2] != name]
+
     def close(self) -> None:
         """Unlink the segments (tensors over them stay valid while they live)."""
         for segment in self._segments:
             segment.unlink()
         self._segments, self._spans = [], []
+
+
+class Gallery:
+    """Weight sets in shared memory that a coordinator publishes by reference to the
+    workers of its host, each with a generation number in its segment's first page.
+
+    The coordinator writes a published set again only after taking it back from its pool
+    (`bus.buffers.SendBuffers`), which `bump`s its generation first; a broadcast names the
+    generation the set had when it went out. A reader copies the weights, then reads the
+    generation (`Shelf.generation`): the same, and no write of the set had begun before its
+    last read, so the copy is whole; another, and it is thrown away (`nodes.link`). That
+    inference needs stores seen in the order they were made, and loads made in order, as
+    x86-64 guarantees (TSO); elsewhere `Gallery.usable()` is False and weights go as bytes.
+    """
+
+    def __init__(self) -> None:
+        self._arena = Arena()
+        self._counters: dict[str, torch.Tensor] = {}  # segment name -> its set's counter
+        self._full = False  # /dev/shm could not hold a set (said once)
+
+    @staticmethod
+    def usable() -> bool:
+        return platform.machine().lower() in ("x86_64", "amd64")
+
+    def allocate(self, buckets: Sequence[tuple[int, torch.dtype]]) -> tuple[torch.Tensor, ...]:
+        """Zeroed 1-D tensors of (numel, dtype) in one new segment, after its counter;
+        OSError if /dev/shm cannot hold them."""
+        counter, *tensors = self._arena.allocate([(1, torch.int64), *buckets])
+        ref = self._arena.locate(counter)
+        assert ref is not None
+        self._counters[str(ref[0])] = counter
+        return tuple(tensors)
+
+    def allocator(self, buckets: Sequence[tuple[int, torch.dtype]],
+                  otherwise: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """A function that allocates a set of `buckets` here, or, where /dev/shm cannot hold
+        it, calls `otherwise` (the weights of that set then go as bytes)."""
+        def allocate() -> tuple[torch.Tensor, ...]:
+            try:
+                return self.allocate(buckets)
+            except OSError as e:
+                if not self._full:
+                    self._full = True
+                    log.info("versions go to workers on this host as bytes: no room for "
+                             "them in shared memory (%s)", e)
+                return otherwise()
+        return allocate
+
+    def locate(self, tensor: torch.Tensor) -> Ref | None:
+        return self._arena.locate(tensor)
+
+    def generation(self, tensors: Sequence[torch.Tensor]) -> int | None:
+        """The generation of the set that `tensors` (the set, or a range of it) lie in;
+        None if it is not one of ours."""
+        counter = self._counter(tensors)
+        return int(counter[0]) if counter is not None else None
+
+    def bump(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Called before the set that `tensors` lie in is written again (nothing if it is
+        not one of ours)."""
+        counter = self._counter(tensors)
+        if counter is not None:
+            counter += 1
+
+    def release(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The set that `tensors` lie in is no longer used here: unlink its segment (a
+        reader that mapped it keeps it, and no broadcast names it again)."""
+        ref = self._arena.locate(tensors[0]) if tensors else None
+        if ref is not None:
+            self._arena.unlink(str(ref[0]))
+            self._counters.pop(str(ref[0]), None)
+
+    def _counter(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        ref = self._arena.locate(tensors[0]) if tensors else None
+        return self._counters.get(str(ref[0])) if ref is not None else None
+
+    def close(self) -> None:
+        self._arena.close()
+        self._counters.clear()
 
 
 class Shelf:
@@ -181,6 +278,15 @@ class Shelf:
             return False
         base = tensor.untyped_storage().data_ptr()
         return any(whole.data_ptr() == base for whole in self._maps.values())
+
+    def generation(self, tensor: torch.Tensor) -> int | None:
+        """The generation counter of the segment `tensor` lies in, read now, for one from
+        a `Gallery` (its first eight bytes); None if it lies in none of ours."""
+        base = tensor.untyped_storage().data_ptr()
+        for whole in self._maps.values():
+            if whole.data_ptr() == base:
+                return int(whole[:8].view(torch.int64)[0])
+        return None
 
     def view(self, ref: object, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """The 1-D tensor of `nbytes` at `ref`; SharedTensorError if it is not one of ours

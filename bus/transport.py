@@ -12,6 +12,12 @@ hub connects there, so that a worker and the coordinator shard it hosts (nodes.c
 talk without TCP and without copying: a frame sent over inproc is the sender's own memory
 until the receiver lets go of it, so the zero-copy rules of `bus.buffers` reach across.
 
+Every broadcast begins with a topic frame, which SUB filters on: `TOPIC_ALL` for what every
+worker takes (heartbeats, Changes, Stop), and a version's whole weights twice, as bytes
+(`TOPIC_WEIGHTS`) and for workers of the coordinator's host as references to its shared memory
+(`TOPIC_SHARED`: bus.shared.Gallery). A worker subscribes to one of the two; PUB sends a
+message only to subscribers of its topic, so one that nobody wants costs no bytes.
+
 With keys (see `bus.security`) every socket speaks CURVE: the ROUTER and PUB are CURVE
 servers behind a `KeyGate` that admits only the authorized worker keys, and the DEALER and
 SUB are CURVE clients pinned to the coordinator's public key. Without keys the sockets speak
@@ -39,6 +45,9 @@ from bus.security import ClientKeys, KeyGate, ServerKeys, curve_client, curve_se
 Frames = Sequence[Any]  # anything with the buffer protocol
 TRACK_ABOVE: Final = zmq.COPY_THRESHOLD  # smaller frames are copied by pyzmq: nothing to track
 PUB_QUEUE: Final = 8  # broadcasts queued per subscriber before PUB drops
+TOPIC_ALL: Final = b"a"  # broadcast topics (see above)
+TOPIC_WEIGHTS: Final = b"w"
+TOPIC_SHARED: Final = b"s"
 _WATCHED: Final = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -61,12 +70,12 @@ class ServerTransport(Protocol):
 
     async def recv(self) -> tuple[bytes, list[memoryview]]: ...
     async def send(self, peer: bytes, frames: Frames) -> Tracker | None: ...
-    async def publish(self, frames: Frames) -> Tracker | None: ...
+    async def publish(self, frames: Frames, topic: bytes = TOPIC_ALL) -> Tracker | None: ...
     def close(self) -> None: ...
 
 
 class ClientTransport(Protocol):
-    def subscribe(self, pub_port: int) -> None: ...
+    def subscribe(self, pub_port: int, *, shared: bool = False) -> None: ...
     async def send(self, frames: Frames) -> Tracker | None: ...
     async def recv(self) -> list[memoryview]: ...
     async def recv_broadcast(self) -> list[memoryview]: ...
@@ -253,8 +262,8 @@ class ZmqServer:
     async def send(self, peer: bytes, frames: Frames) -> Tracker | None:
         return await _send(self._requests, [peer, *frames])
 
-    async def publish(self, frames: Frames) -> Tracker | None:
-        return await _send(self._broadcasts, frames)
+    async def publish(self, frames: Frames, topic: bytes = TOPIC_ALL) -> Tracker | None:
+        return await _send(self._broadcasts, [topic, *frames])
 
     def close(self) -> None:
         # The gate's sockets belong to a shadow of this context, which destroy() does not
@@ -334,6 +343,8 @@ class ZmqClient:
         self._dealer, self._sub = self._requests.socket, self._broadcasts.socket
         # The DEALER's connection events, read without the loop (see `connection_problem`).
         self._monitor: zmq.Socket[Any] | None = None
+        self._topics: set[bytes] = set()  # subscribed to
+        self._pub_port: int | None = None  # connected to
         self._connected = False
         self._handshake_failure: str | None = None
         self._curve = keys is not None
@@ -385,12 +396,22 @@ class ZmqClient:
             return self._handshake_failure
         return None if self._connected else NOT_CONNECTED
 
-    def subscribe(self, pub_port: int) -> None:
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+    def subscribe(self, pub_port: int, *, shared: bool = False) -> None:
+        """Take broadcasts from `pub_port`: the versions' weights by reference if `shared`,
+        else as bytes (see above); called again, it only changes that choice."""
+        want = {TOPIC_ALL, TOPIC_SHARED if shared else TOPIC_WEIGHTS}
+        for topic in self._topics - want:
+            self._sub.setsockopt(zmq.UNSUBSCRIBE, topic)
+        for topic in want - self._topics:
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._topics = want
+        if self._pub_port == pub_port:
+            return
         if self._inproc:
             self._sub.connect(self._connect + "-broadcasts")
         else:
             self._sub.connect(f"tcp://{self._host}:{pub_port}")
+        self._pub_port = pub_port
 
     async def send(self, frames: Frames) -> Tracker | None:
         return await _send(self._requests, frames)
@@ -399,7 +420,8 @@ class ZmqClient:
         return [f.buffer for f in await self._requests.recv_multipart()]
 
     async def recv_broadcast(self) -> list[memoryview]:
-        return [f.buffer for f in await self._broadcasts.recv_multipart()]
+        """A broadcast's frames, after its topic."""
+        return [f.buffer for f in (await self._broadcasts.recv_multipart())[1:]]
 
     def close(self) -> None:
         if self._monitor is not None:

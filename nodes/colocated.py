@@ -30,9 +30,16 @@ from torch import nn
 
 from bus.buffers import SendBuffers
 from bus.layout import Layout
+from bus.shared import Gallery
 from bus.transport import Hub
 from nodes.config import CoordinatorConfig, WorkerConfig
-from nodes.coordinator import Coordinator, OptimizerFactory, Progress
+from nodes.coordinator import (
+    Coordinator,
+    OptimizerFactory,
+    Progress,
+    shared_pool,
+    weights_gallery,
+)
 from nodes.handover import Handover
 from nodes.shards import ShardModel
 from nodes.worker import Data, Loss, Worker, WorkerReport
@@ -82,16 +89,26 @@ class Colocated:
         self.hub = Hub()
         try:
             shard = ShardModel(model, index, count)
-            # Where the worker pushes gradients (it never writes its weights), the shard
-            # makes its versions in ranges of whole-model sets that the worker's model then
-            # computes on, without copying the range (see nodes.handover).
-            self.handover = (Handover(Layout.of(model.named_parameters()), shard.shard, index)
-                             if strategy.rhythm.push is PushKind.GRADIENT else None)
+            layout = Layout.of(model.named_parameters())
+            self.handover: Handover | None = None
+            pool: SendBuffers | None = None
+            gallery: Gallery | None = None
+            if strategy.rhythm.push is PushKind.GRADIENT:
+                # Where the worker pushes gradients (it never writes its weights), the
+                # shard makes its versions in ranges of whole-model sets that the worker's
+                # model then computes on, without copying the range (see nodes.handover);
+                # sets in shared memory, where the workers of the other processes of this
+                # host read the range where it lies (bus.shared.Gallery).
+                gallery = weights_gallery(config)
+                self.handover = Handover(layout, shard.shard, index, allocate=(
+                    gallery.allocator(layout.sizes(), layout.allocate) if gallery else None))
+                pool = (shared_pool(self.handover.allocate, gallery, held=self.handover.held)
+                        if gallery is not None
+                        else SendBuffers(self.handover.allocate, held=self.handover.held))
             self.coordinator = Coordinator(
                 model=shard, strategy=strategy, config=config,
-                optimizer=optimizer, lr=lr, on_step=on_step, hub=self.hub,
-                pool=(SendBuffers(self.handover.allocate, held=self.handover.held)
-                      if self.handover is not None else None),
+                optimizer=optimizer, lr=lr, on_step=on_step, hub=self.hub, pool=pool,
+                gallery=gallery,
                 # The whole model is the worker's, and it holds the final weights by then.
                 evaluate=(lambda _: evaluate(model)) if evaluate is not None else None,
             )

@@ -45,8 +45,8 @@ from bus.messages import (
     Welcome,
 )
 from bus.pieces import Received, all_finite, fold, sum_into, whole
-from bus.shared import Probe, Shelf
-from bus.transport import Hub, ZmqServer
+from bus.shared import Gallery, Probe, Shelf
+from bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
@@ -189,11 +189,14 @@ class Coordinator:
         on_step: Callable[[Progress], None] | None = None,
         hub: Hub | None = None,
         pool: SendBuffers | None = None,
+        gallery: Gallery | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
         (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
         sets versions are made and published in (by default its own; a colocated shard's
-        are shared with its worker: nodes.handover)."""
+        are shared with its worker: nodes.handover). `gallery`: where the given pool's
+        sets lie in shared memory (without a pool, with `config.shared_memory`, this
+        coordinator's own sets do: bus.shared.Gallery); it is closed when the run ends."""
         if isinstance(model, ShardModel) and config.eval_every_s:
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
@@ -239,7 +242,14 @@ class Coordinator:
         self._target_samples: int | None = None  # from --epochs, fixed when training starts
         self._evals: list[_EvalPoint] = []
         self._next_eval_s = 0.0
-        if pool is None:
+        # Versions made in shared memory, which workers of this host read where they lie.
+        self._gallery = gallery if pool is not None else weights_gallery(config)
+        if pool is None and self._gallery is not None:
+            layout = self.flat.layout
+            self._pool = shared_pool(
+                self._gallery.allocator(layout.sizes(), layout.allocate), self._gallery)
+            self.flat.rebind(self._copy_weights())  # the first version there too
+        elif pool is None:
             self._pool = SendBuffers(self.flat.layout.allocate)
         else:
             # Every version is made in the given pool's sets, the first one included.
@@ -347,6 +357,8 @@ class Coordinator:
             self._server.close()
             if self._probe is not None:
                 self._probe.close()
+            if self._gallery is not None:
+                self._gallery.close()
             self.watch.close()
         if self._failure is not None:
             self.metrics.close()
@@ -1055,14 +1067,25 @@ class Coordinator:
             self._broadcast = await self._server.publish(encode(message))
             return
         snapshot = self._take_snapshot()
-        self._broadcast = await _tracked(snapshot, self._server.publish(
-            encode(Weights(version=snapshot.version, tensors=snapshot.buffers))))
+        weights = Weights(version=snapshot.version, tensors=snapshot.buffers)
+        sends = [await _tracked(snapshot, self._server.publish(encode(weights), TOPIC_WEIGHTS))]
+        if self._probe is not None:
+            # For the workers of this host (bus.transport's topics): where the set lies in
+            # our shared memory, and its generation, or else its bytes too.
+            gallery = self._gallery
+            generation = gallery.generation(snapshot.buffers) if gallery is not None else None
+            frames = (encode(replace(weights, generation=generation), refer=gallery.locate)
+                      if gallery is not None and generation is not None else encode(weights))
+            sends.append(await _tracked(snapshot, self._server.publish(frames, TOPIC_SHARED)))
+        self._broadcast = _AllDone(sends)
 
     def _advance_snapshot(self, snapshot: _Snapshot, changes: tuple[torch.Tensor, ...]) -> None:
         """Make the snapshot the current version: written in place with the changes where
         nothing reads it (no send, no colocated worker computing on it), or else a fresh
         copy (the old one goes back to the pool)."""
         if snapshot.free and not self._pool.held(snapshot.buffers):
+            if self._gallery is not None:  # read by reference, maybe: written again now
+                self._gallery.bump(snapshot.buffers)
             changed.apply(snapshot.buffers, changes)
             snapshot.version = self.version
             if self._touched is not None:
@@ -1257,6 +1280,33 @@ class Coordinator:
     def _name(self, peer: bytes) -> str:
         member = self._members.get(peer)
         return f"worker {member.rank}" if member else f"peer {peer.hex()}"
+
+
+class _AllDone:
+    """Done once every one of these sends is."""
+
+    __slots__ = ("_sends",)
+
+    def __init__(self, sends: list[Tracker | None]) -> None:
+        self._sends = sends
+
+    @property
+    def done(self) -> bool:
+        return all(t is None or t.done for t in self._sends)
+
+
+def shared_pool(allocate: Callable[[], tuple[torch.Tensor, ...]], gallery: Gallery, *,
+                held: Callable[[tuple[torch.Tensor, ...]], bool] | None = None) -> SendBuffers:
+    """A pool of weight sets that `allocate` makes in `gallery`: a set's generation goes up
+    before it is written again, and it is reused only while 3 others are free, so that a
+    version's set changes some 4 versions after it was published (bus.buffers)."""
+    return SendBuffers(allocate, keep=3, held=held, reused=gallery.bump, dropped=gallery.release)
+
+
+def weights_gallery(config: CoordinatorConfig) -> Gallery | None:
+    """Where a coordinator makes its versions for workers of its host to read by reference
+    (bus.shared.Gallery): with `config.shared_memory`, on a machine where that is safe."""
+    return Gallery() if config.shared_memory and Gallery.usable() else None
 
 
 async def _tracked(snapshot: _Snapshot, send: Awaitable[Tracker | None]) -> Tracker | None:

@@ -36,7 +36,7 @@ What it costs: each set of the shard's pool is the whole model, not its range.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,8 +47,12 @@ from bus.pieces import Received, spans
 class Handover:
     """The whole-model sets whose range `index` the shard beside a worker makes versions in."""
 
-    def __init__(self, layout: Layout, shard: Shard, index: int) -> None:
+    def __init__(self, layout: Layout, shard: Shard, index: int, *,
+                 allocate: Callable[[], tuple[torch.Tensor, ...]] | None = None) -> None:
+        """`allocate`: makes a whole-model set (by default in private memory; a shard's
+        Gallery puts it in shared memory: bus.shared)."""
         self.layout, self.shard, self.index = layout, shard, index
+        self._allocate_whole = allocate or layout.allocate
         # The sets made so far, by their range's addresses; each with a weak reference to
         # its range's first tensor, which the pool, the master or the snapshot holds while
         # the set is in use (dead: the pool let go of it, and it can be forgotten).
@@ -59,7 +63,7 @@ class Handover:
     def allocate(self) -> tuple[torch.Tensor, ...]:
         """For the shard's pool: a new whole-model set, whose shard range is returned."""
         self._forget_unused()
-        whole = self.layout.allocate()
+        whole = self._allocate_whole()
         part = tuple(self.shard.take(whole))
         self._sets[_key(part)] = (weakref.ref(part[0]), whole)
         return part

@@ -63,11 +63,12 @@ from bus.messages import (
 )
 from bus.pieces import copy_into
 from bus.security import ClientKeys
-from bus.shared import Probe, Ref
+from bus.shared import Probe, Ref, Shelf
 from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, Hub, ZmqClient
 from nodes import changes as changed
 
 log = logging.getLogger("tensorbus.worker")
+_SETS_MAPPED = 16  # the coordinator's weight sets kept mapped (bus.shared.Gallery)
 _ASIDE = 64  # Changes kept aside while a missed one is made up for; older ones are let go
 JOIN_SAY_S = 10.0  # a join unanswered this long is said in the log, once
 
@@ -139,10 +140,13 @@ class Link:
         self.timeout_s = 10.0
         self._config_request_timeout_s = request_timeout_s
         self._request_timeout_s = request_timeout_s
-        self._pub_port: int | None = None  # the port the SUB is connected to
         self._announced_port = 0  # the broadcast port the last Welcome named
-        # The coordinator takes tensors by reference, and sees our /dev/shm (bus.shared).
+        # The coordinator takes tensors by reference, and sees our /dev/shm (bus.shared):
+        # it also broadcasts its versions by reference, read through this shelf.
         self.shared = False
+        self._shelf: Shelf | None = None
+        self.by_reference = 0  # versions loaded from the coordinator's shared memory
+        self.torn = 0  # of those, copies thrown away: the set was being written meanwhile
 
     @property
     def peer(self) -> str:
@@ -212,9 +216,10 @@ class Link:
         """What runs beside the training loop for the membership the last join began:
         receiving broadcasts, beating, watching that the coordinator is alive."""
         assert self._client is not None
-        if self._announced_port != self._pub_port:  # connect once: SUB reconnects by itself
-            self._client.subscribe(self._announced_port)
-            self._pub_port = self._announced_port
+        # (It connects once a port: SUB reconnects by itself.)
+        self._client.subscribe(self._announced_port, shared=self.shared)
+        if self.shared and self._shelf is None:
+            self._shelf = Shelf(_SETS_MAPPED)
         return [self._broadcasts(), self._resyncs(), self._heartbeats(), self._watchdog()]
 
     # Versions ------------------------------------------------------------------------------
@@ -234,6 +239,42 @@ class Link:
             for dst, src in zip(self._weights, weights.tensors, strict=True):
                 copy_into(dst, src)
         self.version = weights.version
+
+    async def load_shared(self) -> None:
+        """Load, here on the loop, the newest whole weights if they came by reference (from
+        the coordinator's shared memory: bus.shared.Gallery), so that nothing loads them
+        off the loop; then `latest` holds none. A copy made while the coordinator wrote the
+        set again (its generation moved) is thrown away, and the version's bytes pulled."""
+        while True:
+            weights = self._latest
+            first = weights.tensors[0] if weights is not None and weights.tensors else None
+            if (weights is None or weights.version <= self.version or self._shelf is None
+                    or not isinstance(first, torch.Tensor) or not self._shelf.holds(first)):
+                return
+            had = self.version
+            self.load(weights)
+            whole = self._shelf.generation(first) == weights.generation
+            self._latest = None
+            del weights, first  # (the references, not the set: it stays mapped)
+            if whole:
+                self.by_reference += 1
+            else:
+                self.torn += 1
+                log.info("worker %d: the %s rewrote the weights of version %d while they "
+                         "were copied: pulling them", self._owner.rank, self.peer, self.version)
+                self.version = had  # what the model holds now is nobody's version
+                reply = await self.request(Pull(sender=self._owner.rank, version=had))
+                if not (isinstance(reply, Weights) and reply.tensors):
+                    raise RejectedError("unexpected", f"a pull of a version past {had} "
+                                                      "answered without weights")
+                self.load(reply)
+            # Changes on top of another version than the one loaded now are pulled again.
+            self._chain = [c for c in self._chain if c.version > self.version]
+            if self._chain and self._chain[0].base != self.version:
+                self._aside.update((c.base, c) for c in self._chain)
+                self._chain = []
+                self._gap.set()
+            # (Newer weights by reference may have come while a pull was awaited.)
 
     def rebind(self, weights: tuple[torch.Tensor, ...]) -> None:
         """This shard's views of the worker's flat weights, where the model now has them
@@ -277,6 +318,11 @@ class Link:
             except (PeerTimeoutError, RejectedError, Stopped) as e:
                 log.warning("worker %d: could not fetch the final weights of version %d from "
                             "the %s: %s", self._owner.rank, self._coordinator_version, self.peer, e)
+        try:
+            await self.load_shared()
+        except (PeerTimeoutError, RejectedError, Stopped) as e:
+            log.warning("worker %d: could not load the final weights from the %s: %s",
+                        self._owner.rank, self.peer, e)
         self.load_latest()
 
     def newest(self) -> int:
@@ -443,7 +489,7 @@ class Link:
         while True:
             frames = await self._client.recv_broadcast()
             try:
-                message = decode(frames, layout=self.layout)
+                message = decode(frames, layout=self.layout, shelf=self._shelf)
             except WireError as e:
                 log.warning("worker %d: bad broadcast: %s", self._owner.rank, e)
                 continue

@@ -67,6 +67,8 @@ class WorkerReport:
     last_loss: float | None
     final_version: int
     rejoins: int = 0  # times it joined again after losing the coordinator or being removed
+    by_reference: int = 0  # versions loaded from a coordinator's shared memory (bus.shared)
+    torn: int = 0  # of those, copies thrown away and pulled again: the set was rewritten
 
 
 class Worker:
@@ -156,7 +158,9 @@ class Worker:
             for shared in (self._arena, self._probe):
                 if shared is not None:
                     shared.close()
-        return WorkerReport(self.rank, self.clock, self._last_loss, self.version, self.rejoins)
+        return WorkerReport(self.rank, self.clock, self._last_loss, self.version, self.rejoins,
+                            by_reference=sum(link.by_reference for link in self.links),
+                            torn=sum(link.torn for link in self.links))
 
     async def _sessions(self) -> None:
         """Join and train; when the coordinator is lost or has removed us, join again.
@@ -296,7 +300,11 @@ class Worker:
             comm_s += time.monotonic() - started
             self._enter(Phase.COMPUTING)
             began, started = time.time(), time.monotonic()
-            # The newest weights each link has are loaded by the compute thread, first.
+            # Weights broadcast by reference are loaded here, on the loop, which can pull
+            # them again if the copy was torn (Link.load_shared); the newest weights each
+            # link has besides are loaded by the compute thread, first.
+            for link in self.links:
+                await link.load_shared()
             latest = [link.latest() for link in self.links]
             computed_on = [w.version if w is not None else link.version
                            for link, w in zip(self.links, latest, strict=True)]

@@ -171,8 +171,8 @@ def _worker(args: argparse.Namespace) -> int:
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         report = runner.run(worker.run())
     logging.getLogger("tensorbus.worker").info(
-        "worker %d done: %d pushes, last loss %s", report.rank, report.pushes, report.last_loss
-    )
+        "worker %d done: %d pushes, last loss %s, %d versions loaded by reference (%d torn)",
+        report.rank, report.pushes, report.last_loss, report.by_reference, report.torn)
     return 0
 
 

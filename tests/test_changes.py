@@ -35,6 +35,7 @@ from specs import load_example
 
 from bus.layout import Layout
 from bus.messages import Changes, Kind, Phase, Weights
+from bus.transport import TOPIC_ALL, TOPIC_SHARED
 from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from nodes.changes import GIVE_UP, Differ, Touched, apply, out_of_range, plain_sgd_lr
 from nodes.link import Link
@@ -284,14 +285,15 @@ def _published_kinds(coordinator: Coordinator, *, lose: int | None = None) -> li
     publish = server.publish
     kinds: list[str] = []
 
-    async def watched(frames: Any) -> Any:
+    async def watched(frames: Any, topic: bytes = TOPIC_ALL) -> Any:
         header = msgpack.unpackb(frames[0])
         kind = Kind(header["k"]).name
         if kind == "CHANGES" and header["v"] == lose:
             kinds.append("LOST")
             return None
-        kinds.append(kind)
-        return await publish(frames)
+        if topic != TOPIC_SHARED:  # (whole weights go twice: by reference too)
+            kinds.append(kind)
+        return await publish(frames, topic)
 
     server.publish = watched  # type: ignore[method-assign]
     return kinds

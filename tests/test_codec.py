@@ -156,7 +156,7 @@ SAMPLES = {
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, tensors=WEIGHTS),
     Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
     Kind.PULL: Pull(sender=3, request=14, version=6),
-    Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, tensors=WEIGHTS),
+    Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, generation=3, tensors=WEIGHTS),
     Kind.HEARTBEAT: Heartbeat(sender=3, request=15, version=8, phase="computing", clock=42),
     Kind.LEAVE: Leave(sender=3, request=16, version=8, reason="error",
                       detail="CUDA out of memory \u00fc \u2713 \U0001f525"),
@@ -378,7 +378,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, -1, 255, "5", None, [5]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, -1, 255, "6", None, [6]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version

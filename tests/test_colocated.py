@@ -56,9 +56,12 @@ def test_sync_on_colocated_shards_gives_the_weights_of_one_coordinator(workers: 
     central = _central(Sync, workers, steps=8)
     nodes, summaries = _colocated(Sync, workers, steps=8)
     assert [s["steps"] for s in summaries] == [8] * workers
-    for node in nodes:  # every worker holds the final model, all of it
+    for i, node in enumerate(nodes):  # every worker holds the final model, all of it
         assert node.worker is not None and node.worker.version == 8
         assert max_difference(central, node.worker.flat.module) <= 1e-5
+        # Every version of the other shards' ranges read where they made it (bus.shared).
+        assert [(link.by_reference, link.torn) for link in node.worker.links] == [
+            (0, 0) if j == i else (8, 0) for j in range(workers)]
     assert max_difference(central, initial()) > 1e-3  # it did train
 
 

@@ -180,7 +180,7 @@ def test_a_worker_that_misses_every_broadcast_catches_up_by_pulling(
         run = asyncio.create_task(coordinator.run())
         hearing = _worker(endpoint, rank=0)
         with monkeypatch.context() as patch:
-            patch.setattr(ZmqClient, "subscribe", lambda self, port: None)
+            patch.setattr(ZmqClient, "subscribe", lambda self, port, shared=False: None)
             lost = _worker(endpoint, rank=1)
             training = asyncio.create_task(lost.run())
             await asyncio.sleep(0.2)  # it has joined with the patch in place

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -78,16 +79,21 @@ def test_local_trains_and_writes_the_summary(tmp_path: Path) -> None:
 
 def test_async_pushes_by_reference_and_learns_as_with_bytes(tmp_path: Path) -> None:
     """Async's pipelined workers push both gradient sets from shared memory by default
-    (bus.shared), bytes with --no-shared-memory; each run learns, and no segment is left."""
+    (bus.shared), and load versions from the coordinator's (bus.shared.Gallery); bytes
+    both ways with --no-shared-memory; each run learns, and no segment is left."""
     spec = _spec(tmp_path, "digits_async")
     segments = set(Path("/dev/shm").glob("tensorbus-*"))
     common = ["local", str(spec), "--workers", "2", "--strategy", "async", "--steps", "150",
-              "--batch-size", "16", "--lr", "0.1", *FAST]
-    runs = {}
+              "--batch-size", "16", "--lr", "0.1", "--log-level", "info", *FAST]
+    runs, loaded = {}, {}
     for name, extra in (("by reference", []), ("bytes", ["--no-shared-memory"])):
         done = _run([*common, *extra])
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = json.loads(done.stdout)
+        # Each worker's last line: "worker R done: ..., N versions loaded by reference (T torn)"
+        loaded[name] = [int(n) for n in re.findall(r"(\d+) versions loaded by reference", done.stderr)]
+    assert len(loaded["by reference"]) == 2 and min(loaded["by reference"]) >= 1
+    assert loaded["bytes"] == [0, 0]
     for name, summary in runs.items():
         assert (summary["strategy"], summary["steps"], summary["dropped"]) == ("async", 150, {}), name
         assert summary["accuracy"] > 0.5, name  # 150 updates of 16 samples: well past chance

@@ -374,16 +374,25 @@ def test_a_worker_with_no_room_in_shared_memory_pushes_bytes(
     assert "no room for the gradients in shared memory" in caplog.text
 
 
-def test_only_a_pushs_float_tensors_come_by_reference() -> None:
+def test_only_the_float_tensors_of_a_push_or_of_weights_come_by_reference() -> None:
     arena = Arena()
     try:
         floats, indices = arena.allocate([(16, torch.float32), (16, torch.int64)])
-        for tensors, says in (((indices,), "int64 tensor by reference in a PUSH"),
-                              ((floats,), "float32 tensor by reference in a WEIGHTS")):
-            message: Any = (Push(sender=0, version=1, clock=0, loss=0.0, samples=1, tensors=tensors)
-                            if says.endswith("PUSH") else Weights(tensors=tensors))
+        refused = [
+            (Push(sender=0, version=1, clock=0, loss=0.0, samples=1, tensors=(indices,)),
+             "int64 tensor by reference in a PUSH"),
+            (Weights(tensors=(indices,)), "int64 tensor by reference in a WEIGHTS"),
+            (Welcome(rank=0, world_size=1, strategy="sync", push="gradient", local_steps=1,
+                     wait="newer", batch_size=1, pub_port=1, heartbeat_s=1.0, timeout_s=1.0,
+                     lr=0.1, tensors=(floats,)), "float32 tensor by reference in a WELCOME"),
+        ]
+        for message, says in refused:
             with pytest.raises(SharedTensorError, match=says):
                 decode(encode(message, refer=arena.locate), shelf=Shelf())
+        taken = decode(encode(Weights(version=3, generation=5, tensors=(floats,)),
+                              refer=arena.locate), shelf=Shelf())
+        assert isinstance(taken, Weights) and taken.generation == 5
+        assert taken.tensors[0].data_ptr() != floats.data_ptr()  # its own mapping of it
     finally:
         arena.close()
 

@@ -1,0 +1,170 @@
+"""Versions broadcast by reference to the workers of the coordinator's host (bus.shared.Gallery).
+
+Unit: a gallery's sets, their generation counters as a reader sees them, and the pool that
+bumps them before it writes a set again. In one loop, over real ZeroMQ: workers load every
+version of sync from the coordinator's shared memory and end with the bits of workers that
+take bytes; a copy torn by a rewrite is thrown away and the version pulled; async loads by
+reference too; nothing is left in /dev/shm. (Multi-process: tests/test_local.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+from test_fold import LR, _model, _worker
+
+from bus.buffers import SendBuffers
+from bus.codec import decode, encode
+from bus.messages import Weights
+from bus.shared import ROOT, Gallery, Shelf
+from nodes import Coordinator, CoordinatorConfig, Worker
+from nodes.worker import WorkerReport
+from strategies import Async, Sync
+
+pytestmark = pytest.mark.skipif(not ROOT.is_dir() or not Gallery.usable(),
+                                reason="no /dev/shm, or not x86-64 (weights go as bytes)")
+
+
+def _ours() -> set[str]:
+    return {p.name for p in ROOT.glob(f"tensorbus-{os.getpid()}-*")}
+
+
+def test_a_reader_sees_a_sets_generation_go_up_when_it_is_to_be_written_again() -> None:
+    gallery = Gallery()
+    try:
+        a, b = gallery.allocate([(1000, torch.float32), (10, torch.float64)])
+        assert not a.any() and not b.any()
+        ref = gallery.locate(a)
+        assert ref is not None and ref[1] == 4096  # after the counter's page
+        assert gallery.generation((a, b)) == gallery.generation((a[500:],)) == 0
+        assert gallery.generation((torch.zeros(3),)) is None
+        a.fill_(1.5)
+        frames = encode(Weights(version=1, generation=0, tensors=(a, b)), refer=gallery.locate)
+        assert len(frames) == 1  # the header alone: no bytes
+        shelf = Shelf()
+        seen = decode(frames, shelf=shelf)
+        assert bool((seen.tensors[0] == 1.5).all())
+        first = seen.tensors[0]
+        assert isinstance(first, torch.Tensor) and shelf.generation(first) == 0
+        gallery.bump((a[10:20],))  # a range of the set: the whole set's counter
+        assert shelf.generation(first) == gallery.generation((b,)) == 1
+        assert shelf.generation(torch.zeros(3)) is None
+        gallery.release((a, b))
+        assert str(ref[0]) not in _ours()
+        assert bool((seen.tensors[0] == 1.5).all())  # the reader's mapping outlives the file
+        assert gallery.generation((a, b)) is None
+    finally:
+        gallery.close()
+
+
+def test_a_shared_pool_reuses_the_set_released_longest_ago_and_bumps_it_first() -> None:
+    made: list[tuple[torch.Tensor, ...]] = []
+    reused: list[int] = []
+    dropped: list[int] = []
+
+    def allocate() -> tuple[torch.Tensor, ...]:
+        made.append((torch.full((4,), float(len(made))),))
+        return made[-1]
+
+    pool = SendBuffers(allocate, keep=2, reused=lambda s: reused.append(int(s[0][0])),
+                       dropped=lambda s: dropped.append(int(s[0][0])))
+    sets = [pool.take() for _ in range(3)]
+    for s in sets:
+        pool.release(s, [])
+    again = pool.take()  # two are kept free, the third let go of; the oldest, 0, reused
+    assert (len(made), dropped, reused, int(again[0][0])) == (3, [2], [0], 0)
+    pool.release(again, [])
+    assert int(pool.take()[0][0]) == 1 and reused == [0, 1]  # released before 0 came back
+    assert int(pool.take()[0][0]) == 3  # one free only: a new set; the free one waits
+    assert reused == [0, 1] and len(made) == 4
+
+
+# In one loop, over real ZeroMQ ------------------------------------------------------------
+
+def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False
+           ) -> tuple[list[torch.Tensor], list[WorkerReport], int]:
+    """Train 2 workers; the coordinator's final weights, the workers' reports, and how
+    many weight sets the coordinator made in shared memory. With `tear`, worker 0's first
+    copy of a version by reference is spoilt as a rewrite of the set would spoil it: NaN,
+    and the set's generation moved on."""
+    made = [0]
+    allocate = Gallery.allocate
+
+    def counted(self: Gallery, buckets: Any) -> tuple[torch.Tensor, ...]:
+        made[0] += 1
+        return allocate(self, buckets)
+
+    async def scenario() -> tuple[list[torch.Tensor], list[WorkerReport]]:
+        coordinator = Coordinator(
+            model=_model(), strategy=strategy, config=CoordinatorConfig(batch_size=8, steps=steps),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        endpoint = coordinator.bind()
+        workers = [_worker(endpoint, r, None, shared_memory=shared) for r in (0, 1)]
+        if tear:
+            _tear_first_copy(workers[0], coordinator)
+        _, *reports = await asyncio.gather(coordinator.run(), *(w.run() for w in workers))
+        return [w.clone() for w in coordinator.flat.weights], reports
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Gallery, "allocate", counted)
+        weights, reports = asyncio.run(scenario())
+    return weights, reports, made[0]
+
+
+def _tear_first_copy(worker: Worker, coordinator: Coordinator) -> None:
+    link = worker.links[0]
+    load = link.load
+    torn: list[int] = []
+
+    def tearing(weights: Any) -> None:
+        load(weights)
+        first = weights.tensors[0] if isinstance(weights, Weights) and weights.tensors else None
+        shelf = link._shelf
+        if not torn and shelf is not None and isinstance(first, torch.Tensor) and shelf.holds(first):
+            torn.append(weights.version)
+            with torch.no_grad():
+                for w in worker.flat.weights:
+                    w.fill_(math.nan)
+            assert coordinator._gallery is not None and coordinator._snapshot is not None
+            coordinator._gallery.bump(coordinator._snapshot.buffers)
+
+    link.load = tearing  # type: ignore[method-assign]
+
+
+def test_sync_loads_every_version_by_reference_with_the_bits_of_bytes() -> None:
+    before = _ours()
+    want, plain, _ = _train(Sync(workers=2), shared=False)
+    got, reports, made = _train(Sync(workers=2), shared=True, steps=8)
+    assert all((r.final_version, r.by_reference, r.torn) == (8, 0, 0) for r in plain)
+    # Each version, the last one included (loaded once stopped), from the shared set.
+    assert all((r.final_version, r.by_reference, r.torn) == (8, 8, 0) for r in reports)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert made <= 6  # a few sets, reused: none a version
+    assert _ours() == before  # the coordinator's sets are unlinked
+
+
+def test_a_torn_copy_is_thrown_away_and_the_version_pulled_as_bytes() -> None:
+    before = _ours()
+    want, _, _ = _train(Sync(workers=2), shared=False)
+    got, reports, _ = _train(Sync(workers=2), shared=True, tear=True)
+    # Worker 1 reads the same set: torn too if it checks the counter after the bump.
+    assert (reports[0].by_reference, reports[0].torn) == (7, 1)
+    assert reports[1].by_reference + reports[1].torn == 8
+    assert all(r.final_version == 8 for r in reports)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))  # no NaN got in
+    assert _ours() == before
+
+
+def test_async_loads_versions_by_reference_and_makes_no_set_a_version() -> None:
+    before = _ours()
+    weights, reports, made = _train(Async(workers=2), shared=True, steps=40)
+    assert all(r.by_reference >= 1 for r in reports)
+    assert sum(r.by_reference for r in reports) >= 10
+    assert all(bool(torch.isfinite(w).all()) for w in weights)
+    assert made <= 8
+    assert _ours() == before
