@@ -43,7 +43,9 @@ class SendBuffers:
         written again, and `dropped` with one the pool lets go of (sets in shared memory
         that workers read by reference: bus.shared.Gallery); with `reused`, a set is reused
         only while `keep` others are free, the one released longest ago first, so that
-        readers have the most time (a few versions) before it changes."""
+        readers have the most time (a few versions) before it changes, and twice as many
+        are kept free before one is let go of (a set made anew costs its readers a new
+        mapping)."""
         self._allocate = allocate
         self._keep = keep  # free sets kept for reuse; more in flight than that are let go
         self._is_held = held
@@ -76,7 +78,7 @@ class SendBuffers:
         still = []
         for buffers, trackers in self._busy:
             if all(t is None or t.done for t in trackers) and not self.held(buffers):
-                if len(self._free) < self._keep:
+                if len(self._free) < (self._keep if self._reused is None else 2 * self._keep):
                     self._free.append(buffers)
                 elif self._dropped is not None:
                     self._dropped(buffers)

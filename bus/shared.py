@@ -202,6 +202,7 @@ class Gallery:
         self._arena = Arena()
         self._counters: dict[str, torch.Tensor] = {}  # segment name -> its set's counter
         self._full = False  # /dev/shm could not hold a set (said once)
+        self._closed = False
 
     @staticmethod
     def usable() -> bool:
@@ -221,6 +222,8 @@ class Gallery:
         """A function that allocates a set of `buckets` here, or, where /dev/shm cannot hold
         it, calls `otherwise` (the weights of that set then go as bytes)."""
         def allocate() -> tuple[torch.Tensor, ...]:
+            if self._closed:  # (a set made after the run: nobody reads it by reference)
+                return otherwise()
             try:
                 return self.allocate(buckets)
             except OSError as e:
@@ -260,6 +263,9 @@ class Gallery:
         return self._counters.get(str(ref[0])) if ref is not None else None
 
     def close(self) -> None:
+        """Unlink every segment (sets over them stay valid while they are used); sets
+        allocated after this are private memory."""
+        self._closed = True
         self._arena.close()
         self._counters.clear()
 
@@ -279,14 +285,16 @@ class Shelf:
         base = tensor.untyped_storage().data_ptr()
         return any(whole.data_ptr() == base for whole in self._maps.values())
 
-    def generation(self, tensor: torch.Tensor) -> int | None:
-        """The generation counter of the segment `tensor` lies in, read now, for one from
-        a `Gallery` (its first eight bytes); None if it lies in none of ours."""
-        base = tensor.untyped_storage().data_ptr()
-        for whole in self._maps.values():
-            if whole.data_ptr() == base:
-                return int(whole[:8].view(torch.int64)[0])
-        return None
+    @staticmethod
+    def generation(tensor: torch.Tensor) -> int | None:
+        """The generation counter of the `Gallery` segment that `tensor`, read through a
+        shelf, lies in (its first eight bytes: a view's storage is the whole mapping),
+        read now; None if that storage is too small to hold one."""
+        storage = tensor.untyped_storage()
+        if storage.nbytes() < 8:
+            return None
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return int(whole[:8].view(torch.int64)[0])
 
     def view(self, ref: object, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """The 1-D tensor of `nbytes` at `ref`; SharedTensorError if it is not one of ours

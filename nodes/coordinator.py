@@ -1299,7 +1299,9 @@ def shared_pool(allocate: Callable[[], tuple[torch.Tensor, ...]], gallery: Galle
                 held: Callable[[tuple[torch.Tensor, ...]], bool] | None = None) -> SendBuffers:
     """A pool of weight sets that `allocate` makes in `gallery`: a set's generation goes up
     before it is written again, and it is reused only while 3 others are free, so that a
-    version's set changes some 4 versions after it was published (bus.buffers)."""
+    version's set changes versions after it was published (bus.buffers), not at the next
+    one (but for top-k's Changes, which write the last whole version's set in place:
+    `_advance_snapshot`)."""
     return SendBuffers(allocate, keep=3, held=held, reused=gallery.bump, dropped=gallery.release)
 
 

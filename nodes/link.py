@@ -128,6 +128,7 @@ class Link:
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self.version = 0  # the version of this shard's weights in the model now
         self._latest: Weights | None = None  # newest weights received, not yet loaded
+        self._latest_shared = False  # they came by reference: loaded by load_shared only
         self._chain: list[Changes] = []  # each on top of the last, the first on the newest whole
         self._aside: dict[int, Changes] = {}  # base -> Changes that do not follow on (yet)
         self._gap = asyncio.Event()  # set: a version was missed; pull the whole one
@@ -245,16 +246,15 @@ class Link:
         the coordinator's shared memory: bus.shared.Gallery), so that nothing loads them
         off the loop; then `latest` holds none. A copy made while the coordinator wrote the
         set again (its generation moved) is thrown away, and the version's bytes pulled."""
-        while True:
+        while self.shared_pending():
             weights = self._latest
-            first = weights.tensors[0] if weights is not None and weights.tensors else None
-            if (weights is None or weights.version <= self.version or self._shelf is None
-                    or not isinstance(first, torch.Tensor) or not self._shelf.holds(first)):
-                return
+            assert weights is not None and self._shelf is not None
+            first = weights.tensors[0]
+            assert isinstance(first, torch.Tensor)  # (by reference: one view a tensor)
             had = self.version
             self.load(weights)
-            whole = self._shelf.generation(first) == weights.generation
-            self._latest = None
+            whole = Shelf.generation(first) == weights.generation
+            self._latest, self._latest_shared = None, False
             del weights, first  # (the references, not the set: it stays mapped)
             if whole:
                 self.by_reference += 1
@@ -263,18 +263,24 @@ class Link:
                 log.info("worker %d: the %s rewrote the weights of version %d while they "
                          "were copied: pulling them", self._owner.rank, self.peer, self.version)
                 self.version = had  # what the model holds now is nobody's version
+                # Changes on top of the torn version wait aside for the version pulled.
+                self._aside.update((c.base, c) for c in self._chain)
+                self._chain = []
                 reply = await self.request(Pull(sender=self._owner.rank, version=had))
                 if not (isinstance(reply, Weights) and reply.tensors):
                     raise RejectedError("unexpected", f"a pull of a version past {had} "
                                                       "answered without weights")
                 self.load(reply)
-            # Changes on top of another version than the one loaded now are pulled again.
-            self._chain = [c for c in self._chain if c.version > self.version]
-            if self._chain and self._chain[0].base != self.version:
-                self._aside.update((c.base, c) for c in self._chain)
-                self._chain = []
-                self._gap.set()
+                # Changes that follow on from it are taken; the others pulled again.
+                self._follow_on()
+                if self._aside:
+                    self._gap.set()
             # (Newer weights by reference may have come while a pull was awaited.)
+
+    def shared_pending(self) -> bool:
+        """Whether the newest whole weights came by reference and are not loaded yet."""
+        return (self._latest_shared and self._latest is not None
+                and self._latest.version > self.version)
 
     def rebind(self, weights: tuple[torch.Tensor, ...]) -> None:
         """This shard's views of the worker's flat weights, where the model now has them
@@ -291,8 +297,8 @@ class Link:
     def latest(self) -> Newer | None:
         """What is newer than the loaded version, if anything: for a worker that loads
         it off the loop (`load` it, then `forget_loaded` on the loop)."""
-        if self.newest() <= self.version:
-            return None
+        if self.newest() <= self.version or self.shared_pending():
+            return None  # (weights by reference are for load_shared, on the loop)
         whole = self._latest if self._latest is not None and self._latest.version > self.version else None
         return Newer(whole, tuple(self._chain))
 
@@ -321,8 +327,9 @@ class Link:
         try:
             await self.load_shared()
         except (PeerTimeoutError, RejectedError, Stopped) as e:
-            log.warning("worker %d: could not load the final weights from the %s: %s",
-                        self._owner.rank, self.peer, e)
+            log.warning("worker %d: could not load the final weights from the %s (its "
+                        "model holds a torn copy of that range): %s", self._owner.rank,
+                        self.peer, e)
         self.load_latest()
 
     def newest(self) -> int:
@@ -352,9 +359,11 @@ class Link:
                 if isinstance(reply, Weights) and reply.tensors:
                     self._keep_newest(reply)
 
-    def _keep_newest(self, weights: Weights) -> None:
+    def _keep_newest(self, weights: Weights, *, shared: bool = False) -> None:
+        """`shared`: its tensors lie in the coordinator's shared memory (see load_shared)."""
         if weights.version > self.newest():
             self._latest, self._chain = weights, []
+            self._latest_shared = shared
             self._follow_on()
             self._newer.set()
 
@@ -496,7 +505,10 @@ class Link:
             self._heard(message)
             match message:
                 case Weights():
-                    self._keep_newest(message)
+                    first = message.tensors[0] if message.tensors else None
+                    self._keep_newest(message, shared=self._shelf is not None
+                                      and self._shelf.holds(first))
+                    del first
                 case Changes():
                     self._take_changes(message)
                 case Heartbeat() if message.version > self.version:

@@ -303,8 +303,9 @@ class Worker:
             # Weights broadcast by reference are loaded here, on the loop, which can pull
             # them again if the copy was torn (Link.load_shared); the newest weights each
             # link has besides are loaded by the compute thread, first.
-            for link in self.links:
-                await link.load_shared()
+            while any(link.shared_pending() for link in self.links):  # (a pull lets more in)
+                for link in self.links:
+                    await link.load_shared()
             latest = [link.latest() for link in self.links]
             computed_on = [w.version if w is not None else link.version
                            for link, w in zip(self.links, latest, strict=True)]

@@ -73,15 +73,16 @@ def test_a_shared_pool_reuses_the_set_released_longest_ago_and_bumps_it_first() 
 
     pool = SendBuffers(allocate, keep=2, reused=lambda s: reused.append(int(s[0][0])),
                        dropped=lambda s: dropped.append(int(s[0][0])))
-    sets = [pool.take() for _ in range(3)]
+    sets = [pool.take() for _ in range(5)]
     for s in sets:
         pool.release(s, [])
-    again = pool.take()  # two are kept free, the third let go of; the oldest, 0, reused
-    assert (len(made), dropped, reused, int(again[0][0])) == (3, [2], [0], 0)
+    again = pool.take()  # four are kept free, the fifth let go of; the oldest, 0, reused
+    assert (len(made), dropped, reused, int(again[0][0])) == (5, [4], [0], 0)
     pool.release(again, [])
-    assert int(pool.take()[0][0]) == 1 and reused == [0, 1]  # released before 0 came back
-    assert int(pool.take()[0][0]) == 3  # one free only: a new set; the free one waits
-    assert reused == [0, 1] and len(made) == 4
+    assert [int(pool.take()[0][0]) for _ in range(3)] == [1, 2, 3]  # 0 came back last
+    assert reused == [0, 1, 2, 3] and len(made) == 5
+    assert int(pool.take()[0][0]) == 5  # one free only (keep - 1): a new set; 0 waits
+    assert reused == [0, 1, 2, 3] and len(made) == 6
 
 
 # In one loop, over real ZeroMQ ------------------------------------------------------------
@@ -110,8 +111,18 @@ def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False
         _, *reports = await asyncio.gather(coordinator.run(), *(w.run() for w in workers))
         return [w.clone() for w in coordinator.flat.weights], reports
 
+    compute = Worker._compute
+
+    def checked(self: Worker, latest: list[Any], *args: Any) -> Any:
+        # The compute thread never loads weights by reference (Link.load_shared does).
+        for link, newer in zip(self.links, latest, strict=True):
+            if newer is not None and newer.weights is not None and link._shelf is not None:
+                assert not link._shelf.holds(newer.weights.tensors[0])
+        return compute(self, latest, *args)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Gallery, "allocate", counted)
+        patch.setattr(Worker, "_compute", checked)
         weights, reports = asyncio.run(scenario())
     return weights, reports, made[0]
 
