@@ -202,7 +202,7 @@ class Gallery:
         self._arena = Arena()
         self._counters: dict[str, torch.Tensor] = {}  # segment name -> its set's counter
         self._full = False  # /dev/shm could not hold a set (said once)
-        self._closed = False
+        self._open = False  # (see open)
 
     @staticmethod
     def usable() -> bool:
@@ -222,7 +222,7 @@ class Gallery:
         """A function that allocates a set of `buckets` here, or, where /dev/shm cannot hold
         it, calls `otherwise` (the weights of that set then go as bytes)."""
         def allocate() -> tuple[torch.Tensor, ...]:
-            if self._closed:  # (a set made after the run: nobody reads it by reference)
+            if not self._open:  # (a set made before or after a run: read by nobody)
                 return otherwise()
             try:
                 return self.allocate(buckets)
@@ -262,10 +262,15 @@ class Gallery:
         ref = self._arena.locate(tensors[0]) if tensors else None
         return self._counters.get(str(ref[0])) if ref is not None else None
 
+    def open(self) -> None:
+        """From now on `allocator`'s sets lie here: a coordinator opens its gallery when it
+        runs, so that one made and never run holds no segment."""
+        self._open = True
+
     def close(self) -> None:
         """Unlink every segment (sets over them stay valid while they are used); sets
         allocated after this are private memory."""
-        self._closed = True
+        self._open = False
         self._arena.close()
         self._counters.clear()
 

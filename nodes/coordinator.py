@@ -248,7 +248,6 @@ class Coordinator:
             layout = self.flat.layout
             self._pool = shared_pool(
                 self._gallery.allocator(layout.sizes(), layout.allocate), self._gallery)
-            self.flat.rebind(self._copy_weights())  # the first version there too
         elif pool is None:
             self._pool = SendBuffers(self.flat.layout.allocate)
         else:
@@ -334,11 +333,22 @@ class Coordinator:
         first shard of a sharded server, the other shards' runs, so that the model
         `evaluate` assembles holds every shard's final weights."""
         self.bind()
+        if self._gallery is not None:
+            # Sets in shared memory from now on (until the run ends), the first version's
+            # too (a relay publishes copies of its master, not the master: see _ALIAS).
+            self._gallery.open()
+            if self._ALIAS:
+                self.flat.rebind(self._copy_weights())
         self._done = asyncio.get_running_loop().create_future()
         self._started_at = time.monotonic()
-        if self.config.resume:
-            self._resume()
-        await self._publish()
+        try:
+            if self.config.resume:
+                self._resume()
+            await self._publish()
+        except BaseException:
+            if self._gallery is not None:
+                self._gallery.close()
+            raise
         tasks = [asyncio.create_task(self._guard(c)) for c in (self._receive(), self._tick())]
         try:
             await self._done

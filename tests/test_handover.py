@@ -209,7 +209,9 @@ def test_sync_computes_on_the_shards_sets_and_steps_as_one_coordinator(optimizer
     for node in nodes:
         assert node.worker is not None and node.worker.version == 12
         assert node.handover is not None and node.handover.bound is None  # back on its own
-        assert len(node.handover._sets) <= 4  # made for the first versions, then reused
+        # Made for the first versions, then reused: a pool in shared memory reuses a set
+        # only while 3 others are free (bus.buffers), so it makes a few more.
+        assert len(node.handover._sets) <= 8
         assert max_difference(central, node.worker.flat.module) <= 1e-5
     assert max_difference(central, initial()) > 1e-3
 
