@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -59,7 +59,7 @@ class SendBuffers:
         if self._reused is None:
             # The last released: the likeliest still in cache.
             return self._free.pop() if self._free else self._allocate()
-        if len(self._free) <= self._keep - 1:
+        if len(self._free) < self._keep:
             return self._allocate()
         buffers = self._free.pop(0)
         self._reused(buffers)
@@ -77,7 +77,7 @@ class SendBuffers:
     def _collect(self) -> None:
         still = []
         for buffers, trackers in self._busy:
-            if all(t is None or t.done for t in trackers) and not self.held(buffers):
+            if all_done(trackers) and not self.held(buffers):
                 if len(self._free) < (self._keep if self._reused is None else 2 * self._keep):
                     self._free.append(buffers)
                 elif self._dropped is not None:
@@ -85,6 +85,11 @@ class SendBuffers:
             else:
                 still.append((buffers, trackers))
         self._busy = still
+
+
+def all_done(trackers: Iterable[Tracker | None]) -> bool:
+    """Whether every one of these sends is done (None: a send that copied its frames)."""
+    return all(t is None or t.done for t in trackers)
 
 
 async def wait_sent(tracker: Tracker | None, *, timeout: float, what: str) -> None:

@@ -253,14 +253,19 @@ class Gallery:
     def release(self, tensors: Sequence[torch.Tensor]) -> None:
         """The set that `tensors` lie in is no longer used here: unlink its segment (a
         reader that mapped it keeps it, and no broadcast names it again)."""
-        ref = self._arena.locate(tensors[0]) if tensors else None
-        if ref is not None:
-            self._arena.unlink(str(ref[0]))
-            self._counters.pop(str(ref[0]), None)
+        name = self._segment(tensors)
+        if name is not None:
+            self._arena.unlink(name)
+            self._counters.pop(name, None)
 
     def _counter(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        name = self._segment(tensors)
+        return self._counters.get(name) if name is not None else None
+
+    def _segment(self, tensors: Sequence[torch.Tensor]) -> str | None:
+        """The name of the segment the set that `tensors` begin lies in, if one of ours."""
         ref = self._arena.locate(tensors[0]) if tensors else None
-        return self._counters.get(str(ref[0])) if ref is not None else None
+        return str(ref[0]) if ref is not None else None
 
     def open(self) -> None:
         """From now on `allocator`'s sets lie here: a coordinator opens its gallery when it

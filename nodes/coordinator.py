@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bus.buffers import SendBuffers, Tracker
+from bus.buffers import SendBuffers, Tracker, all_done
 from bus.codec import decode, encode
 from bus.errors import WireError
 from bus.layout import Compression
@@ -150,7 +150,7 @@ class _Snapshot:
     @property
     def free(self) -> bool:
         """Whether nothing reads the buffers: they may be written in place."""
-        return all(t is None or t.done for t in self.trackers)
+        return all_done(self.trackers)
 
 
 class _Pending:
@@ -1302,7 +1302,7 @@ class _AllDone:
 
     @property
     def done(self) -> bool:
-        return all(t is None or t.done for t in self._sends)
+        return all_done(self._sends)
 
 
 def shared_pool(allocate: Callable[[], tuple[torch.Tensor, ...]], gallery: Gallery, *,

@@ -4,8 +4,9 @@ as interrupted.
 An interrupt raises KeyboardInterrupt, as Python's own handler does, and is also noted.
 Some library code catches it in a bare `except:` (the likely reading of two CI runs:
 Ctrl-C while the CLI imported torch and the rest, then a RecursionError when the SPEC
-imported the same libraries half made). `run.entry` ends the run at once if an interrupt was noted while it imported, and
-`run.cli` reports any later failure as the interrupt it is. Cheap to import: no torch.
+imported the same libraries half made). `run.entry` ends the run at once if an interrupt
+was noted while it imported, and `run.cli` reports any later failure as the interrupt it
+is. Cheap to import: no torch.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 from typing import Any
 
 import pytest
 import torch
 from test_fold import LR, _model, _worker
+from test_shared import _ours
 
 from bus.buffers import SendBuffers
 from bus.codec import decode, encode
@@ -28,10 +28,6 @@ from strategies import Async, Sync
 
 pytestmark = pytest.mark.skipif(not ROOT.is_dir() or not Gallery.usable(),
                                 reason="no /dev/shm, or not x86-64 (weights go as bytes)")
-
-
-def _ours() -> set[str]:
-    return {p.name for p in ROOT.glob(f"tensorbus-{os.getpid()}-*")}
 
 
 def test_a_reader_sees_a_sets_generation_go_up_when_it_is_to_be_written_again() -> None:
