@@ -8,10 +8,13 @@ The cases, on `benchmarks/mlp.py`, 2 workers, one torch thread a process:
 - async, batch 1, 1M parameters: updates per second (part (c)'s tensorbus case);
 - sync with colocated shards, batch 64, 1M and 10M parameters: median ms per version;
 - the same at 1M: the median ms shard 0 spends making each version and handing it to its
-  sockets (its trace's apply and broadcast spans: `steps.shard_ms`).
+  sockets (its trace's apply and broadcast spans: `steps.shard_ms`);
+- only with `--only ssp`: ssp at staleness 0 and 2, batch 1, 1M: updates per second (a
+  run that dropped an update fails).
 
     python benchmarks/ab.py REV [--rounds 3]      # about 90 s a round
     python benchmarks/ab.py REV --rounds 8 --only "sync colocated, 10M"   # 40 s a round
+    python benchmarks/ab.py REV --rounds 4 --only ssp     # 70 s a round
 
 Writes benchmarks/results/ab-REV.md and .json (with --only, ab-REV-CASE.md and .json).
 """
@@ -45,7 +48,13 @@ CASES: dict[str, tuple[Callable[[Path], float], str]] = {
                                                                      tree=tree), "ms/version"),
     "shard 0's step + broadcast, sync colocated, 1M": (
         lambda tree: steps.shard_ms("1M", 1500, tree=tree), "ms/version"),
+    # (only when asked: --only ssp)
+    "ssp, staleness 0, 1M, batch 1": (
+        lambda tree: steps.tensorbus_ssp("1M", 3000, 0, tree=tree), "updates/s"),
+    "ssp, staleness 2, 1M, batch 1": (
+        lambda tree: steps.tensorbus_ssp("1M", 3000, 2, tree=tree), "updates/s"),
 }
+OPT_IN = ("ssp",)  # cases run only when --only names them
 
 
 def main() -> None:
@@ -56,7 +65,8 @@ def main() -> None:
                         "('sync colocated, 10M', 'async', ...); the file is then named after it")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    cases = {c: m for c, m in CASES.items() if c.startswith(args.only)}
+    cases = {c: m for c, m in CASES.items() if c.startswith(args.only)
+             and (args.only or not c.startswith(OPT_IN))}
     if not cases:
         parser.error(f"--only {args.only!r} names none of: {', '.join(CASES)}")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,

@@ -178,6 +178,18 @@ def tensorbus_async(params: str, pushes: int, workers: int = 2, compress: str = 
     return (len(steady) - 1) / (steady[-1] - steady[0])
 
 
+def tensorbus_ssp(params: str, pushes: int, staleness: int, workers: int = 2,
+                  tree: Path = ROOT) -> float:
+    """Updates applied per second by `tensorbus local --strategy ssp`, batch 1."""
+    records = _tensorbus(params, workers, "ssp", pushes, "--batch-size", "1", "--lr", "0.01",
+                         "--staleness", str(staleness), tree=tree)
+    if records[-1]["dropped"]:  # (a held worker that pushed again would be one)
+        raise RuntimeError(f"ssp dropped updates: {records[-1]['dropped']}")
+    steps = [r["train_s"] for r in records if r["event"] == "step"]
+    steady = steps[len(steps) // 4 :]
+    return (len(steady) - 1) / (steady[-1] - steady[0])
+
+
 def _naive_server(port: int, params: str, pushes: int) -> None:
     os.environ["BENCH_PARAMS"] = params
     torch.set_num_threads(1)

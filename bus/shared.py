@@ -22,10 +22,11 @@ pushed by reference again only once every coordinator it pushed them to is done 
 - sync, with or without backups (`strategies.base.Wait.NEWER`, gradients pushed): once
   each has answered and published a newer version, which it waits for anyway;
 - async (`Wait.NOTHING`; pipelined: the next gradient goes into the other set while this
-  one is out): once each has answered. A coordinator answers a push by reference of a
-  rhythm that does not wait for a newer version only after the step that takes it, or,
-  kept for a later step, once it has copied it out of the segment (`Coordinator._push`).
-Ssp pushes bytes for now (benchmarks/results/ssp-by-reference says why). One case breaks
+  one is out) and ssp (`Wait.ANSWERED`): once each has answered. A coordinator answers a
+  push by reference of a rhythm that does not wait for a newer version only after the
+  step that takes it, or, kept for a later step, once it has copied it out of the segment
+  (`Coordinator._push`); ssp's answer to a worker past the bound then waits on, as with
+  bytes, until the slowest catches up. One case breaks
 the rule, and the coordinator mends it: a worker that joins again while the coordinator
 still holds its last push (kept for a step that waits for a straggler) computes again at
 once; so a coordinator copies a joining worker's held push out of its segment before it

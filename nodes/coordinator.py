@@ -633,12 +633,13 @@ class Coordinator:
             # Answered before the step is taken, so that a worker that need not wait goes on;
             # but one that pushed by reference and waits for no newer version writes these
             # buffers again once answered (bus.shared, Ownership): answered after the step
-            # that takes the push, or, kept for a later one, once copied out.
+            # that takes the push, or, kept for a later one, once copied out. (Ssp's Hold
+            # stays: the answer, after the step, still waits for the slowest.)
             stepped = False
             if by_reference and self.strategy.rhythm.wait is not Wait.NEWER:
                 if any(isinstance(d, Apply) and member.rank in d.workers for d in decisions):
                     await self._carry_out(decisions)
-                    decisions, stepped = [], True
+                    decisions, stepped = [d for d in decisions if isinstance(d, Hold)], True
                 else:
                     self._copy_held(member.rank)
             if stepped and self.state in (State.STOPPING, State.STOPPED):  # (the last step)

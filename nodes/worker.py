@@ -262,14 +262,13 @@ class Worker:
         # takes them, or until copied out (bus.shared, Ownership): only where the loop
         # waits for that before the next backward writes them again, and only the flat
         # gradients themselves (not weights, nor what --compress makes of them). Sync
-        # waits for a newer version; async writes a set again once its push is answered,
-        # which a coordinator does after the step for a push by reference. (Ssp could do
-        # as async; its pushes carry their bytes for now, and
-        # benchmarks/results/ssp-by-reference says why.) Moved there before Ready: not on
+        # waits for a newer version; async and ssp write a set again once its push is
+        # answered, which a coordinator does after the step for a push by reference (ssp's
+        # answer may wait longer, for the slowest). Moved there before Ready: not on
         # training time, and in a thread (the loop beats on).
         refer = (await asyncio.to_thread(self._shared_grads)
-                 if wait in (Wait.NEWER, Wait.NOTHING) and not weights_pushed
-                 and not welcome.compress and any(link.shared for link in self.links) else None)
+                 if not weights_pushed and not welcome.compress
+                 and any(link.shared for link in self.links) else None)
         # Answered when the coordinators' start gates open: everyone starts together.
         await asyncio.gather(*(
             link.request(Ready(sender=self.rank, version=link.version,

@@ -3,8 +3,8 @@
 Unit: an arena's buffers and where they lie, a shelf reading them (and refusing what is not
 ours to read), the probe, a killed creator's segment unlinked by the resource tracker, the
 codec. In one loop: sync over real ZeroMQ pushes by reference and makes the same bits as
-with bytes (a NaN push dropped alike); async pushes both its sets by reference, ssp bytes;
-a push by reference whose worker needs no newer version is answered only once the
+with bytes (a NaN push dropped alike); async and ssp push by reference (ssp's worker past
+the bound still held); a push by reference whose worker needs no newer version is answered only once the
 coordinator has let go of it; a worker with no room in /dev/shm pushes bytes. The multi-process runs are in tests/test_colocated_local.py.
 """
 
@@ -33,6 +33,7 @@ from bus.errors import WireError
 from bus.messages import BUILD, Ack, Join, Push, Ready, RejectCode, Weights, Welcome
 from bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
 from nodes import Coordinator, CoordinatorConfig
+from nodes.faults import Faults
 from nodes.flat import FlatModel
 from strategies import Async, StaleSync, Sync
 from strategies.base import PushKind, Rhythm, Wait
@@ -270,11 +271,34 @@ def test_async_pushes_both_gradient_sets_by_reference() -> None:
     assert _ours() == before
 
 
-def test_ssp_pushes_bytes() -> None:
-    """Not yet by reference (benchmarks/results/ssp-by-reference says why)."""
-    _, summary = _train(StaleSync(workers=2, staleness=1), shared=True)
-    assert summary["steps"] == 8
-    assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_ssp_pushes_by_reference_and_holds_a_worker_too_far_ahead(staleness: int) -> None:
+    """The push that takes a worker past the bound is stepped before its answer (its
+    buffers are written again once answered), and the answer is still held until the
+    slowest catches up: never answered at once, or the worker would push again while held
+    (dropped as a duplicate) and clocks would part by more than staleness + 1. Worker 1
+    sleeps before each step, so worker 0 is held at nearly every push."""
+    before = _ours()
+
+    async def scenario() -> dict[str, Any]:
+        coordinator = Coordinator(
+            model=_model(), strategy=StaleSync(workers=2, staleness=staleness),
+            config=CoordinatorConfig(batch_size=8, steps=12),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        endpoint = coordinator.bind()
+        summary, *_ = await asyncio.gather(
+            coordinator.run(), _worker(endpoint, 0, None, shared_memory=True).run(),
+            _worker(endpoint, 1, None, shared_memory=True,
+                    faults=Faults(slow_s=0.05)).run())
+        return summary
+
+    summary = asyncio.run(scenario())
+    assert summary["steps"] == 12 and summary["dropped"] == {}
+    assert summary["max_clock_gap"] <= staleness + 1
+    for worker in summary["per_worker"].values():
+        assert worker["pushes"] >= 1 and worker["by_reference"] == worker["pushes"]
+    assert summary["per_worker"]["0"]["held_s"] > 0
+    assert _ours() == before
 
 
 @pytest.mark.parametrize(("applied", "momentum"), [(True, 0.0), (False, 0.0), (False, 0.9)],
