@@ -10,11 +10,14 @@ The cases, on `benchmarks/mlp.py`, 2 workers, one torch thread a process:
 - the same at 1M: the median ms shard 0 spends making each version and handing it to its
   sockets (its trace's apply and broadcast spans: `steps.shard_ms`);
 - only with `--only ssp`: ssp at staleness 0 and 2, batch 1, 1M: updates per second (a
-  run that dropped an update fails).
+  run that dropped an update fails);
+- only with `--only bf16`: async (updates per second) and colocated sync (ms per version)
+  with `--compress bf16`.
 
     python benchmarks/ab.py REV [--rounds 3]      # about 90 s a round
     python benchmarks/ab.py REV --rounds 8 --only "sync colocated, 10M"   # 40 s a round
     python benchmarks/ab.py REV --rounds 4 --only ssp     # 70 s a round
+    python benchmarks/ab.py REV --rounds 3 --only bf16    # 90 s a round
 
 Writes benchmarks/results/ab-REV.md and .json (with --only, ab-REV-CASE.md and .json).
 """
@@ -53,8 +56,17 @@ CASES: dict[str, tuple[Callable[[Path], float], str]] = {
         lambda tree: steps.tensorbus_ssp("1M", 3000, 0, tree=tree), "updates/s"),
     "ssp, staleness 2, 1M, batch 1": (
         lambda tree: steps.tensorbus_ssp("1M", 3000, 2, tree=tree), "updates/s"),
+    # (only when asked: --only bf16)
+    "bf16: async, 1M, batch 1": (
+        lambda tree: steps.tensorbus_async("1M", 3000, compress="bf16", tree=tree), "updates/s"),
+    "bf16: sync colocated, 1M": (
+        lambda tree: 1000 * steps.tensorbus_sync("1M", 400, compress="bf16", colocate=True,
+                                                 tree=tree), "ms/version"),
+    "bf16: sync colocated, 10M": (
+        lambda tree: 1000 * steps.tensorbus_sync("10M", 60, compress="bf16", colocate=True,
+                                                 tree=tree), "ms/version"),
 }
-OPT_IN = ("ssp",)  # cases run only when --only names them
+OPT_IN = ("ssp", "bf16")  # cases run only when --only names them
 
 
 def main() -> None:

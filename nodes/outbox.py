@@ -7,7 +7,9 @@ on the thread that runs backward, as soon as backward has finished that range:
 
 - as they are: the flat gradient itself (on the CPU nothing is done; on a GPU its range
   is copied to the pinned host mirror);
-- `--compress bf16|fp16`: converted into buffers of the narrower dtype (one copy);
+- `--compress bf16|fp16`: converted into buffers of the narrower dtype (one copy), made
+  by `allocate` where one is given (shared memory, so that they go by reference:
+  bus.shared);
 - `--compress topk:R`: the k = ceil(R * n) elements of largest magnitude of each range
   (found by `nodes.largest`), as int64 indices and their values, with error feedback
   (Stich et al. 2018, "Sparsified SGD with memory"): what is not sent stays in a
@@ -23,17 +25,18 @@ Nothing here allocates a gradient-sized buffer after construction.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from bus.layout import Compression, Shard
-from nodes.flat import FlatModel
+from nodes.flat import Allocate, FlatModel
 from nodes.largest import Largest
 
 
 class Outbox:
     def __init__(self, flat: FlatModel, shards: list[Shard], compression: Compression, *,
-                 weights: bool) -> None:
+                 weights: bool, allocate: Allocate | None = None) -> None:
         self._flat, self._shards, self._compression = flat, shards, compression
         self._narrow = compression.dtype is not None and not weights
         self._topk = compression.topk is not None and not weights
@@ -50,7 +53,9 @@ class Outbox:
                               for s, b in zip(shard.spans, shard.layout.buckets, strict=True)]
                              for shard in shards]
         elif self._narrow:
-            wires = [flat.layout.on_wire(compression.dtype).allocate() for _ in range(flat.grad_sets)]
+            wire = flat.layout.on_wire(compression.dtype)
+            wires = [allocate([(b.numel, b.dtype) for b in wire.buckets]) if allocate
+                     else wire.allocate() for _ in range(flat.grad_sets)]
             self.parts = [[shard.take(wire) for shard in shards] for wire in wires]
         else:
             self.parts = [[shard.take(grads) for shard in shards] for grads in flat.host_grad_sets]
@@ -99,3 +104,28 @@ class Outbox:
                     wire.copy_(grads[s.bucket][s.start:s.stop])
         else:
             self._flat.stage(weights=False, spans=spans)
+
+
+class Keeping:
+    """An allocator that keeps what it makes: each `round()` hands out, in order, the sets
+    made in the rounds before (for the same buckets), then new ones. A worker makes a new
+    Outbox at every join; its narrow buffers in shared memory are the same segments again,
+    not new ones piling up in /dev/shm for as long as the worker lives."""
+
+    def __init__(self, allocate: Allocate) -> None:
+        self._allocate = allocate
+        self._made: dict[tuple[tuple[int, torch.dtype], ...], list[tuple[torch.Tensor, ...]]] = {}
+        self._taken: dict[tuple[tuple[int, torch.dtype], ...], int] = {}
+
+    def round(self) -> Allocate:
+        self._taken.clear()
+        return self._take
+
+    def _take(self, buckets: Sequence[tuple[int, torch.dtype]]) -> tuple[torch.Tensor, ...]:
+        key = tuple(buckets)
+        made, taken = self._made.setdefault(key, []), self._taken.get(key, 0)
+        if taken == len(made):
+            made.append(self._allocate(key))
+        self._taken[key] = taken + 1
+        return made[taken]
+

@@ -40,7 +40,7 @@ from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
 from nodes.handover import Handover
 from nodes.link import Link, Newer, Stopped
-from nodes.outbox import Outbox
+from nodes.outbox import Keeping, Outbox
 from strategies.base import PushKind, Wait
 
 log = logging.getLogger("tensorbus.worker")
@@ -127,6 +127,7 @@ class Worker:
         # The gradient sets in shared memory, once a coordinator on this host takes them by
         # reference (bus.shared); None: not yet, or not possible here (_shared_grads).
         self._arena: Arena | None = None
+        self._keeping: Keeping | None = None  # the arena's, for the outbox's narrow buffers
         self._no_arena = self._probe is None
 
     @property
@@ -260,14 +261,17 @@ class Worker:
         pipelined = wait is Wait.NOTHING and not weights_pushed
         # By reference, the buffers pushed are read where they lie until the step that
         # takes them, or until copied out (bus.shared, Ownership): only where the loop
-        # waits for that before the next backward writes them again, and only the flat
-        # gradients themselves (not weights, nor what --compress makes of them). Sync
+        # waits for that before the next backward writes them again, and only gradients
+        # (not weights). Sync
         # waits for a newer version; async and ssp write a set again once its push is
         # answered, which a coordinator does after the step for a push by reference (ssp's
-        # answer may wait longer, for the slowest). Moved there before Ready: not on
-        # training time, and in a thread (the loop beats on).
+        # answer may wait longer, for the slowest). `--compress bf16|fp16` pushes its narrow
+        # copies, one per gradient set, from the same segments (top-k's indices are
+        # integers, which go as bytes). Moved there before Ready: not on training time, and
+        # in a thread (the loop beats on).
+        compression = Compression.parse(welcome.compress)
         refer = (await asyncio.to_thread(self._shared_grads)
-                 if not weights_pushed and not welcome.compress
+                 if not weights_pushed and compression.topk is None
                  and any(link.shared for link in self.links) else None)
         # Answered when the coordinators' start gates open: everyone starts together.
         await asyncio.gather(*(
@@ -281,8 +285,8 @@ class Worker:
         early = not weights_pushed and welcome.local_steps == 1
         # What goes on the wire, per gradient set and shard, filled as backward finishes
         # each range: gradients as they are, narrowed or top-k (--compress), or weights.
-        outbox = Outbox(self.flat, self._shards, Compression.parse(welcome.compress),
-                        weights=weights_pushed)
+        outbox = Outbox(self.flat, self._shards, compression, weights=weights_pushed,
+                        allocate=self._keeping.round() if refer is not None and self._keeping else None)
         self._outbox, parts = outbox, outbox.parts
         sent: list[list[Tracker | None]] = [[] for _ in parts]  # each set's last sends
         # Where time goes between computes, reported with the next push (telemetry).
@@ -386,6 +390,7 @@ class Worker:
                             "in shared memory (%s)", self.rank, e)
             else:
                 self._arena = arena
+                self._keeping = Keeping(arena.allocate)
         return self._arena.locate if self._arena is not None else None
 
     def _waits(self, acks: list[Message], computed_on: list[int], wait: Wait) -> list[tuple[Link, int]]:

@@ -3,8 +3,9 @@
 Unit: an arena's buffers and where they lie, a shelf reading them (and refusing what is not
 ours to read), the probe, a killed creator's segment unlinked by the resource tracker, the
 codec. In one loop: sync over real ZeroMQ pushes by reference and makes the same bits as
-with bytes (a NaN push dropped alike); async and ssp push by reference (ssp's worker past
-the bound still held); a push by reference whose worker needs no newer version is answered only once the
+with bytes (a NaN push dropped alike), and so do bf16/fp16 pushes (their narrow copies,
+kept across joins); async and ssp push by reference (ssp's worker past the bound still
+held); a push by reference whose worker needs no newer version is answered only once the
 coordinator has let go of it; a worker with no room in /dev/shm pushes bytes. The multi-process runs are in tests/test_colocated_local.py.
 """
 
@@ -35,6 +36,7 @@ from bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
 from nodes import Coordinator, CoordinatorConfig
 from nodes.faults import Faults
 from nodes.flat import FlatModel
+from nodes.outbox import Keeping
 from strategies import Async, StaleSync, Sync
 from strategies.base import PushKind, Rhythm, Wait
 
@@ -228,11 +230,12 @@ def test_a_flat_model_moves_its_gradients_into_shared_memory_or_stays_as_it_was(
 
 # In one loop, over real ZeroMQ --------------------------------------------------------------
 
-def _train(strategy: Any, *, shared: bool, poisoned: int | None = None
+def _train(strategy: Any, *, shared: bool, poisoned: int | None = None, compress: str = ""
            ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     async def scenario() -> tuple[list[torch.Tensor], dict[str, Any]]:
         coordinator = Coordinator(
-            model=_model(), strategy=strategy, config=CoordinatorConfig(batch_size=8, steps=8),
+            model=_model(), strategy=strategy,
+            config=CoordinatorConfig(batch_size=8, steps=8, compress=compress),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         endpoint = coordinator.bind()
         summary, *_ = await asyncio.gather(coordinator.run(), *(
@@ -268,6 +271,48 @@ def test_async_pushes_both_gradient_sets_by_reference() -> None:
     for worker in summary["per_worker"].values():
         assert worker["pushes"] >= 1 and worker["by_reference"] == worker["pushes"]
     assert all(bool(torch.isfinite(w).all()) for w in weights)
+    assert _ours() == before
+
+
+def test_a_rejoining_workers_narrow_buffers_are_the_same_segments_again() -> None:
+    """Each join makes a new Outbox; its shared buffers must not pile up in /dev/shm."""
+    arena = Arena()
+    try:
+        keeping = Keeping(arena.allocate)
+        buckets = [(1000, torch.bfloat16)]
+        first = keeping.round()
+        a, b = first(buckets), first(buckets)  # two gradient sets: two segments
+        again = keeping.round()
+        assert again(buckets) is a and again(buckets) is b
+        assert again([(10, torch.float16)]) is not a  # other buckets: a new one
+        assert len(_ours()) >= 3 and arena.locate(a[0]) is not None
+        made = _ours()
+        round_three = keeping.round()
+        round_three(buckets), round_three(buckets)
+        assert _ours() == made
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize("compress", ["bf16", "fp16"])
+def test_narrow_pushes_go_by_reference_with_the_bits_of_bytes(compress: str) -> None:
+    """--compress bf16|fp16 pushes its narrow copies from shared memory: the same bits as
+    with bytes under sync; async pushes both sets' copies by reference. Top-k's integer
+    indices go as bytes."""
+    before = _ours()
+    want, plain = _train(Sync(workers=2), shared=False, compress=compress)
+    got, summary = _train(Sync(workers=2), shared=True, compress=compress)
+    for stats, by_reference in ((plain, False), (summary, True)):
+        for worker in stats["per_worker"].values():
+            assert worker["pushes"] >= 8
+            assert worker["by_reference"] == (worker["pushes"] if by_reference else 0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    _, summary = _train(Async(workers=2), shared=True, compress=compress)
+    assert summary["steps"] == 8 and summary["dropped"] == {}
+    for worker in summary["per_worker"].values():
+        assert worker["pushes"] >= 1 and worker["by_reference"] == worker["pushes"]
+    _, summary = _train(Sync(workers=2), shared=True, compress="topk:0.1")
+    assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
     assert _ours() == before
 
 
