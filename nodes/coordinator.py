@@ -1079,8 +1079,10 @@ class Coordinator:
             return
         snapshot = self._take_snapshot()
         weights = Weights(version=snapshot.version, tensors=snapshot.buffers)
-        sends = [await _tracked(snapshot, self._server.publish(encode(weights), TOPIC_WEIGHTS))]
-        if self._probe is not None:
+        sends: list[Tracker | None] = []
+        if self._server.wants(TOPIC_WEIGHTS):  # (made only for someone: bus.transport)
+            sends.append(await _tracked(snapshot, self._server.publish(encode(weights), TOPIC_WEIGHTS)))
+        if self._probe is not None and self._server.wants(TOPIC_SHARED):
             # For the workers of this host (bus.transport's topics): where the set lies in
             # our shared memory, and its generation, or else its bytes too.
             gallery = self._gallery
