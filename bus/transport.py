@@ -1,4 +1,4 @@
-"""Socket set-up: the coordinator's ROUTER + PUB and a worker's DEALER + SUB, on asyncio
+"""Socket set-up: the coordinator's ROUTER + XPUB and a worker's DEALER + SUB, on asyncio
 (each socket driven by a `bus.loopsocket.LoopSocket`).
 
 Nodes see only the two small interfaces below (frames in, frames out), never a socket, so
@@ -25,7 +25,7 @@ coordinator whether anyone takes a topic before it makes the message. A subscrib
 subscription is not in yet misses the message either way, as with any PUB (the slow
 joiner), and catches up with a Pull.
 
-With keys (see `bus.security`) every socket speaks CURVE: the ROUTER and PUB are CURVE
+With keys (see `bus.security`) every socket speaks CURVE: the ROUTER and XPUB are CURVE
 servers behind a `KeyGate` that admits only the authorized worker keys, and the DEALER and
 SUB are CURVE clients pinned to the coordinator's public key. Without keys the sockets speak
 plain ZeroMQ (NULL), as on loopback.

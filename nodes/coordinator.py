@@ -45,7 +45,7 @@ from bus.messages import (
     Welcome,
 )
 from bus.pieces import Received, all_finite, fold, sum_into, whole
-from bus.shared import Gallery, Probe, Shelf
+from bus.shared import Gallery, Probe, SharedTensorError, Shelf
 from bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
@@ -88,6 +88,7 @@ class State(str, enum.Enum):
 
 
 _SMALL_STEP = 1 << 20  # parameters: a step over at most this many is taken on the loop
+_NOT_A_MEMBER = "not a member: join first (or again, if removed)"
 _DIVERGED_AFTER = 8  # non-finite updates in a row from every worker: the run has diverged
 _UNKNOWN_BUILD = "unknown"  # a build that cannot tell its release (or none said): not judged
 
@@ -462,15 +463,20 @@ class Coordinator:
         assert self._server is not None
         while True:
             peer, frames = await self._server.recv()
+            member = self._members.get(peer) is not None
             try:
                 # Tensors by reference only from members (bus.shared: the trust it needs).
                 message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout,
-                                 shelf=self._shelf if self._members.get(peer) else None)
+                                 shelf=self._shelf if member else None)
             except WireError as e:
-                self.metrics.rejected[e.code.value] += 1
-                self._warn(peer, e.code.value, f"rejected a message from {self._name(peer)}: {e}")
-                await self._reply(peer, Reject(request=e.request, code=e.code.value,
-                                               detail=str(e)[:1000]))
+                code, detail = e.code, str(e)[:1000]
+                if isinstance(e, SharedTensorError) and not member:
+                    # A worker removed (silent for too long) that pushes by reference: told
+                    # to join again, as one that pushes bytes is (see _dispatch).
+                    code, detail = RejectCode.UNKNOWN_WORKER, _NOT_A_MEMBER
+                self.metrics.rejected[code.value] += 1
+                self._warn(peer, code.value, f"rejected a message from {self._name(peer)}: {e}")
+                await self._reply(peer, Reject(request=e.request, code=code.value, detail=detail))
                 continue
             await self._dispatch(peer, message)
             # Let go of the frames now, not when the next message comes: sent in-process,
@@ -486,8 +492,7 @@ class Coordinator:
         if member is None or member.rank != message.sender:
             if peer in self._departed and isinstance(message, Heartbeat | Leave):
                 return  # beats a worker sent before its Leave was taken
-            await self._refuse(peer, message, RejectCode.UNKNOWN_WORKER,
-                               "not a member: join first (or again, if removed)")
+            await self._refuse(peer, message, RejectCode.UNKNOWN_WORKER, _NOT_A_MEMBER)
             return
         member.last_seen = now
         # Stopping, a worker may still fetch the final weights (a Pull) before it leaves.
@@ -639,7 +644,11 @@ class Coordinator:
             if by_reference and self.strategy.rhythm.wait is not Wait.NEWER:
                 if any(isinstance(d, Apply) and member.rank in d.workers for d in decisions):
                     await self._carry_out(decisions)
-                    decisions, stepped = [d for d in decisions if isinstance(d, Hold)], True
+                    # (Held still, unless released meanwhile: a member left while the step
+                    # ran, and the Release found nobody parked yet.)
+                    decisions = [d for d in decisions if isinstance(d, Hold)
+                                 and self.strategy.holds_back(d.worker)]
+                    stepped = True
                 else:
                     self._copy_held(member.rank)
             if stepped and self.state in (State.STOPPING, State.STOPPED):  # (the last step)

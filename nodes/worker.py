@@ -262,15 +262,15 @@ class Worker:
         # By reference, the buffers pushed are read where they lie until the step that
         # takes them, or until copied out (bus.shared, Ownership): only where the loop
         # waits for that before the next backward writes them again, and only gradients
-        # (not weights). Sync
-        # waits for a newer version; async and ssp write a set again once its push is
-        # answered, which a coordinator does after the step for a push by reference (ssp's
-        # answer may wait longer, for the slowest). `--compress bf16|fp16` pushes its narrow
-        # copies, one per gradient set, from the same segments (top-k's indices are
-        # integers, which go as bytes). Moved there before Ready: not on training time, and
-        # in a thread (the loop beats on).
+        # (not weights). Sync waits for a newer version; async and ssp write a set again
+        # once its push is answered, which a coordinator does after the step for a push by
+        # reference (ssp's answer may wait longer, for the slowest). The gradient sets are
+        # moved there before Ready: not on training time, and in a thread (the loop beats
+        # on). `--compress bf16|fp16` pushes its narrow copies instead, one per gradient
+        # set, which the Outbox makes there (the sets stay private); top-k's indices are
+        # integers, which go as bytes.
         compression = Compression.parse(welcome.compress)
-        refer = (await asyncio.to_thread(self._shared_grads)
+        refer = (await asyncio.to_thread(self._shared_grads, dense=compression.dtype is None)
                  if not weights_pushed and compression.topk is None
                  and any(link.shared for link in self.links) else None)
         # Answered when the coordinators' start gates open: everyone starts together.
@@ -285,8 +285,7 @@ class Worker:
         early = not weights_pushed and welcome.local_steps == 1
         # What goes on the wire, per gradient set and shard, filled as backward finishes
         # each range: gradients as they are, narrowed or top-k (--compress), or weights.
-        outbox = Outbox(self.flat, self._shards, compression, weights=weights_pushed,
-                        allocate=self._keeping.round() if refer is not None and self._keeping else None)
+        outbox = self._make_outbox(compression, weights_pushed, shared=refer is not None)
         self._outbox, parts = outbox, outbox.parts
         sent: list[list[Tracker | None]] = [[] for _ in parts]  # each set's last sends
         # Where time goes between computes, reported with the next push (telemetry).
@@ -376,13 +375,28 @@ class Worker:
                     compute_s=time.monotonic() - started, comm_s=comm_s, wait_s=wait_s)
         return await link.request_tracked(push, patient=True, refer=refer)
 
-    def _shared_grads(self) -> Callable[[torch.Tensor], Ref | None] | None:
-        """Where the gradient sets lie in shared memory (moved there on first use), or None
-        if they cannot be there: pushes then carry the bytes."""
+    def _make_outbox(self, compression: Compression, weights: bool, *, shared: bool) -> Outbox:
+        """The Outbox, its narrow copies (--compress bf16|fp16) in shared memory if
+        `shared` and there is room (else private: their pushes carry the bytes)."""
+        if shared and self._keeping is not None and compression.dtype is not None and not weights:
+            try:
+                return Outbox(self.flat, self._shards, compression, weights=weights,
+                              allocate=self._keeping.round())
+            except OSError as e:
+                log.warning("worker %d: pushes carry their bytes: no room for their %s copies "
+                            "in shared memory (%s)", self.rank, compression.dtype, e)
+        return Outbox(self.flat, self._shards, compression, weights=weights)
+
+    def _shared_grads(self, *, dense: bool = True) -> Callable[[torch.Tensor], Ref | None] | None:
+        """Where the tensors pushed by reference lie in shared memory, or None if there is
+        no room there: pushes then carry the bytes. `dense`: the gradient sets themselves
+        (moved there on first use); else only what the Outbox makes there (narrow copies:
+        a later join that pushes the sets as they are then sends their bytes)."""
         if self._arena is None and not self._no_arena:
             arena = Arena()
             try:
-                self.flat.share_grads(arena.allocate)
+                if dense:
+                    self.flat.share_grads(arena.allocate)
             except OSError as e:
                 arena.close()
                 self._no_arena = True

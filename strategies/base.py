@@ -210,6 +210,10 @@ class Strategy(ABC):
         live = [self.clocks[m] for m in self.members]
         return max(live) - min(live) if live else 0
 
+    def holds_back(self, worker: int) -> bool:
+        """Whether `worker`'s answer is being held back now (ssp's bound)."""
+        return False
+
     def quorum(self) -> int | None:
         """How many updates the next step averages, where that is known before they come
         (a coordinator then folds them in as they come: nodes.fold); None where it is not."""

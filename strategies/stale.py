@@ -89,6 +89,9 @@ class StaleSync(Strategy):
                 return self._stall(now)
         raise TypeError(f"not a strategy event: {event!r}")
 
+    def holds_back(self, worker: int) -> bool:
+        return worker in self._held
+
     def _too_far(self, worker: int) -> bool:
         if self.staleness is None:
             return False

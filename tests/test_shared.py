@@ -316,6 +316,60 @@ def test_narrow_pushes_go_by_reference_with_the_bits_of_bytes(compress: str) -> 
     assert _ours() == before
 
 
+def test_narrow_copies_with_no_room_in_shared_memory_go_as_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No room for the bf16 copies in /dev/shm (ENOSPC, made to happen): the run goes on,
+    its pushes carrying their bytes, and the fp32 gradient sets were never moved there."""
+    real = Arena.allocate
+
+    def allocate(self: Arena, buckets: Any) -> tuple[torch.Tensor, ...]:
+        if any(dtype == torch.bfloat16 for _, dtype in buckets):
+            raise OSError(28, "No space left on device (made to happen)")
+        return real(self, buckets)
+
+    monkeypatch.setattr(Arena, "allocate", allocate)
+    _, summary = _train(Sync(workers=2), shared=True, compress="bf16")
+    assert summary["steps"] == 8
+    for worker in summary["per_worker"].values():
+        assert worker["pushes"] >= 8 and worker["by_reference"] == 0
+
+
+def test_ssp_a_worker_released_while_its_push_by_reference_is_stepped_is_answered() -> None:
+    """Worker 0's push takes it past the bound, and its step (before the answer, by
+    reference) waits a while; meanwhile worker 1 is removed, which releases worker 0 before
+    it was parked. Worker 0 must be answered, not parked for a Release that already went;
+    worker 1, alive, pushes by reference as a non-member, is told to join again (not
+    refused as malformed) and does."""
+    async def scenario() -> dict[str, Any]:
+        coordinator = Coordinator(
+            model=_model(), strategy=StaleSync(workers=2, staleness=0),
+            config=CoordinatorConfig(batch_size=8, steps=12),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        endpoint = coordinator.bind()
+        update, fired = coordinator._update, []
+
+        async def slow_update(updates: Any, scale: float, **options: Any) -> None:
+            if (not fired and tuple(options.get("ranks", ())) == (0,)
+                    and coordinator.strategy.holds_back(0) and coordinator.version >= 3):
+                fired.append(True)
+                asyncio.ensure_future(coordinator.remove(1, "test: removed"))
+                await asyncio.sleep(0.05)
+            await update(updates, scale, **options)
+
+        coordinator._update = slow_update  # type: ignore[method-assign]
+        summary, *_ = await asyncio.wait_for(asyncio.gather(
+            coordinator.run(), _worker(endpoint, 0, None, shared_memory=True).run(),
+            _worker(endpoint, 1, None, shared_memory=True, faults=Faults(slow_s=0.05)).run()),
+            timeout=40)
+        assert fired
+        return summary
+
+    summary = asyncio.run(scenario())
+    assert summary["steps"] == 12
+    assert summary["per_worker"]["1"]["joins"] == 2
+    assert "malformed" not in summary["rejected"]
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_ssp_pushes_by_reference_and_holds_a_worker_too_far_ahead(staleness: int) -> None:
     """The push that takes a worker past the bound is stepped before its answer (its
