@@ -89,11 +89,18 @@ def main() -> None:
 
 
 def _free_port() -> int:
+    """A free port whose next one is free too: a relay bound to PORT publishes on PORT+1."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    while True:
+        with socket.socket() as s, socket.socket() as beside:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            try:
+                beside.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue  # taken (or past the last port): another
+            return port
 
 
 if __name__ == "__main__":

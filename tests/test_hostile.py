@@ -78,7 +78,7 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.shared import Shelf
+from bus.shared import SharedTensorError, Shelf
 from bus.transport import ZmqClient
 from nodes import Coordinator, CoordinatorConfig, State, Worker, WorkerConfig
 from strategies import Sync
@@ -443,6 +443,9 @@ def predict(frames: list[bytes], *, layout: Layout, max_bytes: int) -> Verdict:
             # torch warns that `bytes` are read-only; the coordinator's frames are not.
             warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
             message = decode(frames, max_bytes=max_bytes, layout=layout)
+    except SharedTensorError as e:
+        # A push by reference from a stranger: told to join first, as one with bytes is.
+        return Verdict("unknown_worker", e.request)
     except WireError as e:
         return Verdict(e.code.value, e.request)
     match message:
