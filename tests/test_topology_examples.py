@@ -3,9 +3,13 @@ parameter server, each node a real process on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +23,35 @@ ROOT = Path(__file__).resolve().parent.parent
     ("sharded_server.py", ["--shards", "2", "--workers", "2", "--steps", "5"]),
 ])
 def test_a_topology_example_trains(script: str, args: list[str]) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=140, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    # In a session of its own: its nodes are its children, and a script killed at the
+    # timeout would leave them running (they are reaped below, whatever happens).
+    example = subprocess.Popen([sys.executable, str(ROOT / "examples" / script), *args],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        out, err = example.communicate(timeout=140)
+    finally:
+        _reap(example)
+    assert example.returncode == 0, err[-2000:]
+    summary = json.loads(out[out.index("{"):])
     assert summary["steps"] == 5
     assert 0.0 <= summary["accuracy"] <= 1.0
+
+
+
+def _reap(example: subprocess.Popen[str]) -> None:
+    """End whatever is left of the example's session: SIGTERM first (multiprocessing's
+    resource tracker ignores it and unlinks the shared memory once its users are gone),
+    then SIGKILL after 10 s."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(example.pid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(example.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        example.communicate(timeout=5)
