@@ -92,7 +92,7 @@ def _free_port() -> int:
     """A free port whose next one is free too: a relay bound to PORT publishes on PORT+1."""
     import socket
 
-    while True:
+    for _ in range(100):
         with socket.socket() as s, socket.socket() as beside:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
@@ -101,6 +101,7 @@ def _free_port() -> int:
             except OSError:
                 continue  # taken (or past the last port): another
             return port
+    raise OSError("no free port with a free one beside it on 127.0.0.1 in 100 tries")
 
 
 if __name__ == "__main__":

@@ -128,4 +128,3 @@ class Keeping:
             made.append(self._allocate(key))
         self._taken[key] = taken + 1
         return made[taken]
-

@@ -378,7 +378,7 @@ class Worker:
     def _make_outbox(self, compression: Compression, weights: bool, *, shared: bool) -> Outbox:
         """The Outbox, its narrow copies (--compress bf16|fp16) in shared memory if
         `shared` and there is room (else private: their pushes carry the bytes)."""
-        if shared and self._keeping is not None and compression.dtype is not None and not weights:
+        if shared and self._keeping is not None and compression.dtype is not None:
             try:
                 return Outbox(self.flat, self._shards, compression, weights=weights,
                               allocate=self._keeping.round())
