@@ -1,0 +1,258 @@
+"""What part (c)'s goal asks of this machine: a bare async parameter server, against the naive one.
+
+Goal 3 of issue 5 wants tensorbus async (batch 1, 2 workers, the 1M model) at 4x the
+updates per second of the naive one-push-one-reply server (benchmarks/steps.py naive_ps).
+This measures how near the least an async server can do comes to that, with none of a
+real system's duties (no membership, heartbeats, strategies, metrics, checks of what
+peers send, no event loop, no compute thread):
+
+- the master weights lie in shared memory as a ring of RING sets; each step writes the
+  next version into the next set (w' = w - lr * g, one pass, as tensorbus's plain SGD
+  does), after the same finiteness check (the gradient's sum);
+- each worker's gradients lie in shared memory, the model's `.grad` being views of them;
+  a push is a 2-byte ZeroMQ message naming nothing but "mine is ready", answered with the
+  newest version's number once the step has taken it (so the worker may write it again);
+- the worker copies the newest set into its model, computes a gradient, pushes, waits for
+  the answer: blocking pyzmq, no thread, no asyncio.
+
+(A worker copies a set that a step may overwrite only after RING - 1 newer versions: far
+more than are made while it copies one. Not a design for real use: a measurement of the
+floor.)
+
+Both contenders run interleaved, ROUNDS times; the ratio is taken within each round. Also
+the CPU one update costs, all processes together, differenced over U and 2U updates as
+benchmarks/async_cpu.py does, which bounds the rate on 2 cores:
+
+    python benchmarks/async_floor.py [--updates 4000] [--rounds 3]
+
+Writes benchmarks/results/async_floor.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch
+import zmq
+
+from benchmarks import mlp, steps
+from benchmarks.throughput import free_port
+
+RESULTS = ROOT / "benchmarks" / "results"
+RING = 16  # weight sets: a version is overwritten RING versions after it was made
+LR = 0.01
+
+
+def _shared(path: str, count: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`count` sets of `numel` elements, backed by the file at `path` (in /dev/shm)."""
+    return torch.from_file(path, shared=True, size=count * numel, dtype=dtype).view(count, numel)
+
+
+def _server(port: int, folder: str, workers: int, updates: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    flat = torch.cat([p.detach().reshape(-1) for p in mlp.model().parameters()])
+    numel = flat.numel()
+    ring = _shared(f"{folder}/weights", RING, numel)
+    ring[0].copy_(flat)
+    # Which version each set holds, -1 while written: a worker's copy is checked against it.
+    marks = _shared(f"{folder}/marks", 1, RING, torch.int64)[0]
+    marks.fill_(-1)
+    marks[0] = 0
+    grads = [_shared(f"{folder}/grads-{r}", 2, numel) for r in range(workers)]
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    out.put("ready")
+    version, stamps = 0, []
+    while version < updates:
+        peer, pushed = router.recv_multipart()
+        rank, slot = struct.unpack("<HH", pushed)
+        g = grads[rank][slot]
+        if not torch.isfinite(g.sum()):
+            raise RuntimeError("not finite")
+        into = (version + 1) % RING
+        marks[into] = -1
+        torch.add(ring[version % RING], g, alpha=-LR, out=ring[into])
+        version += 1
+        marks[into] = version
+        stamps.append(time.perf_counter())
+        router.send_multipart([peer, struct.pack("<Q", version)])
+    # Every worker waits for an answer: tell each to stop (version 0 means stop).
+    for _ in range(workers):
+        peer, _rank = router.recv_multipart()
+        router.send_multipart([peer, struct.pack("<Q", 0)])
+    out.put(stamps)
+    context.destroy(linger=1000)
+
+
+def _worker(port: int, folder: str, rank: int, pipelined: bool) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = mlp.model()
+    x, y = mlp.images()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    ring = _shared(f"{folder}/weights", RING, numel)
+    grads = _shared(f"{folder}/grads-{rank}", 2, numel)
+    marks = _shared(f"{folder}/marks", 1, RING, torch.int64)[0]
+    flat = torch.empty(numel)
+    torn = 0
+
+    def load(version: int) -> int:
+        """Copy the newest set in (trying again where a step overwrote it meanwhile)."""
+        nonlocal torn
+        while True:
+            slot = version % RING
+            if int(marks[slot]) == version:
+                flat.copy_(ring[slot])
+                if int(marks[slot]) == version:
+                    return version
+            torn += 1
+            version = max(int(m) for m in marks)
+    at = 0
+    for p in params:  # the model's weights: views of one flat buffer
+        p.data = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+
+    def compute(i: int, slot: int) -> None:
+        at = 0
+        for p in params:  # the gradients: views of gradient set `slot`
+            p.grad = grads[slot][at : at + p.numel()].view_as(p)
+            p.grad.zero_()
+            at += p.numel()
+        at = (i * 2 + rank) % len(x)
+        mlp.loss(model(x[at : at + 1]), y[at : at + 1]).backward()
+
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    version, i, slot = 0, 0, 0
+    if pipelined:
+        # The next gradient is computed (into the other set) while the last push is on
+        # its way and stepped; then the answer is taken, the push sent, the newest loaded.
+        compute(0, slot)
+        dealer.send(struct.pack("<HH", rank, slot))
+        while True:
+            i, slot = i + 1, slot ^ 1
+            compute(i, slot)
+            version = struct.unpack("<Q", dealer.recv())[0]
+            if version == 0:
+                break
+            dealer.send(struct.pack("<HH", rank, slot))
+            load(version)
+    else:
+        while True:
+            load(version)
+            compute(i, 0)
+            dealer.send(struct.pack("<HH", rank, 0))
+            version = struct.unpack("<Q", dealer.recv())[0]
+            i += 1
+            if version == 0:
+                break
+    if torn:
+        print(f"worker {rank}: {torn} copies torn, taken again", file=sys.stderr)
+    context.destroy(linger=0)
+
+
+def bare_async(updates: int, workers: int = 2, pipelined: bool = False) -> float:
+    """Updates per second of the bare async server, 2 workers, batch 1; `pipelined`: each
+    worker computes its next gradient while its last push is answered."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        server = context.Process(target=_server, args=(port, folder, workers, updates, queue))
+        server.start()
+        processes = []
+        try:
+            if queue.get(timeout=120) != "ready":
+                raise RuntimeError("the server did not start")
+            processes = [context.Process(target=_worker, args=(port, folder, r, pipelined))
+                         for r in range(workers)]
+            for p in processes:
+                p.start()
+            stamps = queue.get(timeout=600)
+        finally:
+            for p in (*processes, server):
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    steady = stamps[len(stamps) // 4 :]
+    return (len(steady) - 1) / (steady[-1] - steady[0])
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_per_update(run: Any, updates: int) -> tuple[float, float]:
+    """(CPU ms one update costs, all processes, start-up differenced away; the rate of the
+    run with 2U updates)."""
+    before = _children_cpu()
+    run(updates)
+    middle = _children_cpu()
+    rate = run(2 * updates)
+    after = _children_cpu()
+    return ((after - middle) - (middle - before)) / updates * 1e3, rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--updates", type=int, default=4000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    os.environ["BENCH_PARAMS"] = "1M"
+    contenders = {
+        "naive PS": lambda u: steps.naive_ps("1M", u // 2),
+        "bare async (shared memory)": lambda u: bare_async(u),
+        "bare async, pipelined": lambda u: bare_async(u, pipelined=True),
+        "tensorbus async": lambda u: steps.tensorbus_async("1M", u),
+    }
+    figures: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    for r in range(args.rounds):
+        for name, run in contenders.items():
+            cpu, rate = _cpu_per_update(run, args.updates)
+            figures[name].append((cpu, rate))
+            print(f"round {r + 1}: {name}: {rate:.0f} updates/s, {cpu:.2f} CPU ms an update",
+                  flush=True)
+    naive = [rate for _, rate in figures["naive PS"]]
+
+    def cell(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+    lines = [(f"`python benchmarks/async_floor.py --updates {args.updates} --rounds {args.rounds}` "
+              "(1M model, batch 1, 2 workers, 2 cores; median (min-max) over the rounds; "
+              "each ratio taken within its round)"), "",
+             "| contender | updates/s | ÷ naive PS | CPU ms per update, all processes |",
+             "|---|---:|---:|---:|"]
+    for name, got in figures.items():
+        rates = [rate for _, rate in got]
+        ratios = [rate / n for rate, n in zip(rates, naive, strict=True)]
+        lines.append(f"| {name} | {cell(rates, 0)} | {cell(ratios, 2)} | "
+                     f"{cell([c for c, _ in got], 2)} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "async_floor.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "async_floor.json").write_text(json.dumps(
+        {"args": vars(args), "figures": figures}, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
