@@ -160,9 +160,13 @@ def test_a_workers_pushes_carry_its_clock_counted_from_zero(strategy: Strategy, 
     # during backward or after it (weights under average, async's pipelined pushes).
     _train(strategy, 12, 8, metrics=tmp_path / "m.jsonl")
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    # Sync and average take every worker's push each round; async takes whoever comes,
+    # and on a loaded machine one worker may make nearly all 12 updates (in one CI run
+    # beside another: 11 of 12).
+    least = 1 if isinstance(strategy, Async) else 4
     for rank in range(2):
         clocks = [r["clock"] for r in records if r["event"] == "worker" and r["rank"] == rank]
-        assert len(clocks) >= 4 and clocks == list(range(len(clocks))), (rank, clocks)
+        assert len(clocks) >= least and clocks == list(range(len(clocks))), (rank, clocks)
 
 
 def test_a_worker_removed_while_held_is_told_so_not_left_waiting() -> None:
