@@ -9,11 +9,14 @@ peers send, no event loop, no compute thread):
 - the master weights lie in shared memory as a ring of RING sets; each step writes the
   next version into the next set (w' = w - lr * g, one pass, as tensorbus's plain SGD
   does), after the same finiteness check (the gradient's sum);
-- each worker's gradients lie in shared memory, the model's `.grad` being views of them;
+- each worker's gradients lie in shared memory (two sets), where each is copied once
+  backward has made it (as tensorbus's hooks do: cheaper than zeroing and accumulating);
   a push is a 2-byte ZeroMQ message naming nothing but "mine is ready", answered with the
   newest version's number once the step has taken it (so the worker may write it again);
 - the worker copies the newest set into its model, computes a gradient, pushes, waits for
-  the answer: blocking pyzmq, no thread, no asyncio.
+  the answer: blocking pyzmq, no thread, no asyncio. Pipelined, it computes the next
+  gradient (into its other set) before it takes the answer; in place, it also computes on
+  the newest set where it lies, without copying it.
 
 (A worker copies a set that a step may overwrite only after RING - 1 newer versions: far
 more than are made while it copies one. Not a design for real use: a measurement of the
@@ -100,7 +103,7 @@ def _server(port: int, folder: str, workers: int, updates: int, out: Any) -> Non
     context.destroy(linger=1000)
 
 
-def _worker(port: int, folder: str, rank: int, pipelined: bool) -> None:
+def _worker(port: int, folder: str, rank: int, pipelined: bool, in_place: bool) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = mlp.model()
@@ -124,19 +127,37 @@ def _worker(port: int, folder: str, rank: int, pipelined: bool) -> None:
                     return version
             torn += 1
             version = max(int(m) for m in marks)
-    at = 0
-    for p in params:  # the model's weights: views of one flat buffer
+    starts = [sum(p.numel() for p in params[:k]) for k in range(len(params))]
+    for p, at in zip(params, starts, strict=True):  # the model's weights: views of one buffer
         p.data = flat[at : at + p.numel()].view_as(p)
-        at += p.numel()
+    # In place: the model computes on the newest set itself, without copying it (a set
+    # that a step overwrites meanwhile, RING - 1 versions on, is counted as torn).
+    in_ring = [[ring[slot][at : at + p.numel()].view_as(p) for p, at in zip(params, starts, strict=True)]
+               for slot in range(RING)]
+    bound = 0  # the version the model computes on, in place
+
+    def bind(version: int) -> None:
+        nonlocal bound
+        for p, view in zip(params, in_ring[version % RING], strict=True):
+            p.data = view
+        bound = version
+
+    def check() -> None:
+        nonlocal torn
+        if int(marks[bound % RING]) != bound:
+            torn += 1
+
+    views = [[grads[slot][at : at + p.numel()].view_as(p) for p, at in zip(params, starts, strict=True)]
+             for slot in range(2)]
 
     def compute(i: int, slot: int) -> None:
-        at = 0
-        for p in params:  # the gradients: views of gradient set `slot`
-            p.grad = grads[slot][at : at + p.numel()].view_as(p)
-            p.grad.zero_()
-            at += p.numel()
+        for p in params:
+            p.grad = None  # backward makes each afresh: then one copy into the set
         at = (i * 2 + rank) % len(x)
         mlp.loss(model(x[at : at + 1]), y[at : at + 1]).backward()
+        with torch.no_grad():
+            for p, view in zip(params, views[slot], strict=True):
+                view.copy_(p.grad)
 
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
@@ -145,16 +166,23 @@ def _worker(port: int, folder: str, rank: int, pipelined: bool) -> None:
     if pipelined:
         # The next gradient is computed (into the other set) while the last push is on
         # its way and stepped; then the answer is taken, the push sent, the newest loaded.
+        if in_place:
+            bind(0)
         compute(0, slot)
         dealer.send(struct.pack("<HH", rank, slot))
         while True:
             i, slot = i + 1, slot ^ 1
             compute(i, slot)
+            if in_place:
+                check()
             version = struct.unpack("<Q", dealer.recv())[0]
             if version == 0:
                 break
             dealer.send(struct.pack("<HH", rank, slot))
-            load(version)
+            if in_place:
+                bind(version)
+            else:
+                load(version)
     else:
         while True:
             load(version)
@@ -165,13 +193,16 @@ def _worker(port: int, folder: str, rank: int, pipelined: bool) -> None:
             if version == 0:
                 break
     if torn:
-        print(f"worker {rank}: {torn} copies torn, taken again", file=sys.stderr)
+        print(f"worker {rank}: {torn} {'computes on a set overwritten meanwhile' if in_place else 'copies torn, taken again'}",
+              file=sys.stderr)
     context.destroy(linger=0)
 
 
-def bare_async(updates: int, workers: int = 2, pipelined: bool = False) -> float:
+def bare_async(updates: int, workers: int = 2, pipelined: bool = False,
+               in_place: bool = False) -> float:
     """Updates per second of the bare async server, 2 workers, batch 1; `pipelined`: each
-    worker computes its next gradient while its last push is answered."""
+    worker computes its next gradient while its last push is answered; `in_place` (with
+    `pipelined`): on the newest set where it lies, not on a copy."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
@@ -182,7 +213,7 @@ def bare_async(updates: int, workers: int = 2, pipelined: bool = False) -> float
         try:
             if queue.get(timeout=120) != "ready":
                 raise RuntimeError("the server did not start")
-            processes = [context.Process(target=_worker, args=(port, folder, r, pipelined))
+            processes = [context.Process(target=_worker, args=(port, folder, r, pipelined, in_place))
                          for r in range(workers)]
             for p in processes:
                 p.start()
@@ -223,6 +254,7 @@ def main() -> None:
         "naive PS": lambda u: steps.naive_ps("1M", u // 2),
         "bare async (shared memory)": lambda u: bare_async(u),
         "bare async, pipelined": lambda u: bare_async(u, pipelined=True),
+        "bare async, pipelined, in place": lambda u: bare_async(u, pipelined=True, in_place=True),
         "tensorbus async": lambda u: steps.tensorbus_async("1M", u),
     }
     figures: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
