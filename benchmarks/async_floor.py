@@ -12,21 +12,27 @@ peers send, no event loop, no compute thread):
 - each worker's gradients lie in shared memory (two sets), where each is copied once
   backward has made it (as tensorbus's hooks do: cheaper than zeroing and accumulating);
   a push is a 2-byte ZeroMQ message naming nothing but "mine is ready", answered with the
-  newest version's number once the step has taken it (so the worker may write it again);
-- the worker copies the newest set into its model, computes a gradient, pushes, waits for
-  the answer: blocking pyzmq, no thread, no asyncio. Pipelined, it computes the next
-  gradient (into its other set) before it takes the answer; in place, it also computes on
-  the newest set where it lies, without copying it.
+  number of the version its step made (so the worker may write it again), or with 0 once
+  the run has made its updates (stop);
+- the worker copies the set of the version its last answer named into its model,
+  computes a gradient, pushes, waits for the answer: blocking pyzmq, no thread, no
+  asyncio. Pipelined, it computes the next gradient (into its other set) before it takes
+  the answer; in place (pipelined too), it computes on that set where it lies, without
+  copying it.
 
-(A worker copies a set that a step may overwrite only after RING - 1 newer versions: far
-more than are made while it copies one. Not a design for real use: a measurement of the
-floor.)
+A set is overwritten RING versions after it was made; a copy made meanwhile is thrown away
+and made again from the newest set, and a compute in place on an overwritten set is
+counted (printed at the end) but pushed all the same. Not a design for real use: a
+measurement of one lean design, against which tensorbus's overhead shows.
 
-Both contenders run interleaved, ROUNDS times; the ratio is taken within each round. Also
-the CPU one update costs, all processes together, differenced over U and 2U updates as
-benchmarks/async_cpu.py does, which bounds the rate on 2 cores:
+The five contenders (the naive server, the bare one in its three ways, tensorbus async)
+run interleaved, ROUNDS times; each ratio is taken within its round. Each contender runs
+twice, with U and with 2U updates: its rate is the second run's, over the last three
+quarters of its updates (as benchmarks/steps.py takes it), and the CPU one update costs,
+all processes together, is differenced over the two runs as benchmarks/async_cpu.py does
+(start-up cancels out); that CPU bounds the rate at cores / CPU per update:
 
-    python benchmarks/async_floor.py [--updates 4000] [--rounds 3]
+    python benchmarks/async_floor.py [--updates 3000] [--rounds 3]     # about 12 minutes
 
 Writes benchmarks/results/async_floor.md and .json.
 """
@@ -44,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +63,10 @@ from benchmarks import mlp, steps
 from benchmarks.throughput import free_port
 
 RESULTS = ROOT / "benchmarks" / "results"
-RING = 16  # weight sets: a version is overwritten RING versions after it was made
+# Weight sets: a version is overwritten RING versions after it was made. 16 (64 MB) was
+# the faster of the two tried, in place: 3.61x the naive rate against 3.10x with 4, where
+# steps write sets that the workers compute on (results/async_floor-ring4.md).
+RING = 16
 LR = 0.01
 
 
@@ -203,6 +213,8 @@ def bare_async(updates: int, workers: int = 2, pipelined: bool = False,
     """Updates per second of the bare async server, 2 workers, batch 1; `pipelined`: each
     worker computes its next gradient while its last push is answered; `in_place` (with
     `pipelined`): on the newest set where it lies, not on a copy."""
+    if in_place and not pipelined:
+        raise ValueError("in_place is a way of the pipelined worker: pass pipelined=True too")
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
@@ -211,13 +223,13 @@ def bare_async(updates: int, workers: int = 2, pipelined: bool = False,
         server.start()
         processes = []
         try:
-            if queue.get(timeout=120) != "ready":
+            if _get(queue, [server], 120) != "ready":
                 raise RuntimeError("the server did not start")
             processes = [context.Process(target=_worker, args=(port, folder, r, pipelined, in_place))
                          for r in range(workers)]
             for p in processes:
                 p.start()
-            stamps = queue.get(timeout=600)
+            stamps = _get(queue, [server, *processes], 600)
         finally:
             for p in (*processes, server):
                 p.join(60)
@@ -226,6 +238,20 @@ def bare_async(updates: int, workers: int = 2, pipelined: bool = False,
                     p.join()
     steady = stamps[len(stamps) // 4 :]
     return (len(steady) - 1) / (steady[-1] - steady[0])
+
+
+def _get(queue: Any, processes: list[Any], timeout_s: float) -> Any:
+    """The next item on `queue`; RuntimeError at once if one of `processes` failed (a
+    server or worker that raised would leave the others waiting), or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=0.5)
+        except Empty:
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a process of the bare server failed (exit codes {failed})") from None
+    raise RuntimeError(f"the bare server gave nothing in {timeout_s:.0f} s")
 
 
 def _children_cpu() -> float:
@@ -246,7 +272,7 @@ def _cpu_per_update(run: Any, updates: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=4000)
+    parser.add_argument("--updates", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     os.environ["BENCH_PARAMS"] = "1M"
@@ -270,7 +296,7 @@ def main() -> None:
         return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
     lines = [(f"`python benchmarks/async_floor.py --updates {args.updates} --rounds {args.rounds}` "
-              "(1M model, batch 1, 2 workers, 2 cores; median (min-max) over the rounds; "
+              f"(1M model, batch 1, 2 workers, {os.cpu_count()} cores; median (min-max) over the rounds; "
               "each ratio taken within its round)"), "",
              "| contender | updates/s | ÷ naive PS | CPU ms per update, all processes |",
              "|---|---:|---:|---:|"]
