@@ -136,8 +136,8 @@ def main() -> None:
         costs, rates = f["cpu_ms"], f["rate"]
         allowed = [1000 * cores / c for c in costs]
         used = [r / a for r, a in zip(rates, allowed, strict=True)]
-        lines.append(f"| {name} | {_spread(costs, '.2f')} | {_spread(allowed, '.0f')} "
-                     f"| {_spread(rates, '.0f')} | {_spread(used, '.2f')} |")
+        lines.append(f"| {name} | {spread(costs, '.2f')} | {spread(allowed, '.0f')} "
+                     f"| {spread(rates, '.0f')} | {spread(used, '.2f')} |")
     threads, broadcasts = split()
     alone = 1000 * steps.single("1M", 2000, batch=1)
     lines += ["", ("Tensorbus async, one run, CPU per version made (all of the coordinator's and "
@@ -155,7 +155,8 @@ def main() -> None:
     print("\n".join(lines))
 
 
-def _spread(values: list[float], form: str) -> str:
+def spread(values: list[float], form: str) -> str:
+    """Median (min-max)."""
     return f"{statistics.median(values):{form}} ({min(values):{form}}-{max(values):{form}})"
 
 

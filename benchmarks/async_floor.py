@@ -29,8 +29,8 @@ The five contenders (the naive server, the bare one in its three ways, tensorbus
 run interleaved, ROUNDS times; each ratio is taken within its round. Each contender runs
 twice, with U and with 2U updates: its rate is the second run's, over the last three
 quarters of its updates (as benchmarks/steps.py takes it), and the CPU one update costs,
-all processes together, is differenced over the two runs as benchmarks/async_cpu.py does
-(start-up cancels out); that CPU bounds the rate at cores / CPU per update:
+all processes together, is differenced over the two runs, so that start-up cancels out
+(benchmarks/async_cpu.py's `measure`); that CPU bounds the rate at cores / CPU per update:
 
     python benchmarks/async_floor.py [--updates 3000] [--rounds 3]     # about 12 minutes
 
@@ -43,8 +43,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
-import statistics
 import struct
 import sys
 import tempfile
@@ -60,6 +58,7 @@ import torch
 import zmq
 
 from benchmarks import mlp, steps
+from benchmarks.async_cpu import measure, spread
 from benchmarks.throughput import free_port
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -236,8 +235,7 @@ def bare_async(updates: int, workers: int = 2, pipelined: bool = False,
                 if p.is_alive():
                     p.kill()
                     p.join()
-    steady = stamps[len(stamps) // 4 :]
-    return (len(steady) - 1) / (steady[-1] - steady[0])
+    return steps.steady_rate(stamps)
 
 
 def _get(queue: Any, processes: list[Any], timeout_s: float) -> Any:
@@ -252,22 +250,6 @@ def _get(queue: Any, processes: list[Any], timeout_s: float) -> Any:
             if failed:
                 raise RuntimeError(f"a process of the bare server failed (exit codes {failed})") from None
     raise RuntimeError(f"the bare server gave nothing in {timeout_s:.0f} s")
-
-
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _cpu_per_update(run: Any, updates: int) -> tuple[float, float]:
-    """(CPU ms one update costs, all processes, start-up differenced away; the rate of the
-    run with 2U updates)."""
-    before = _children_cpu()
-    run(updates)
-    middle = _children_cpu()
-    rate = run(2 * updates)
-    after = _children_cpu()
-    return ((after - middle) - (middle - before)) / updates * 1e3, rate
 
 
 def main() -> None:
@@ -286,25 +268,22 @@ def main() -> None:
     figures: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for r in range(args.rounds):
         for name, run in contenders.items():
-            cpu, rate = _cpu_per_update(run, args.updates)
+            cpu, rate = measure(run, args.updates)
             figures[name].append((cpu, rate))
             print(f"round {r + 1}: {name}: {rate:.0f} updates/s, {cpu:.2f} CPU ms an update",
                   flush=True)
     naive = [rate for _, rate in figures["naive PS"]]
 
-    def cell(values: list[float], digits: int) -> str:
-        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
     lines = [(f"`python benchmarks/async_floor.py --updates {args.updates} --rounds {args.rounds}` "
-              f"(1M model, batch 1, 2 workers, {os.cpu_count()} cores; median (min-max) over the rounds; "
+              f"(1M model, batch 1, 2 workers, {len(os.sched_getaffinity(0))} cores; median (min-max) over the rounds; "
               "each ratio taken within its round)"), "",
              "| contender | updates/s | ÷ naive PS | CPU ms per update, all processes |",
              "|---|---:|---:|---:|"]
     for name, got in figures.items():
         rates = [rate for _, rate in got]
         ratios = [rate / n for rate, n in zip(rates, naive, strict=True)]
-        lines.append(f"| {name} | {cell(rates, 0)} | {cell(ratios, 2)} | "
-                     f"{cell([c for c, _ in got], 2)} |")
+        lines.append(f"| {name} | {spread(rates, '.0f')} | {spread(ratios, '.2f')} | "
+                     f"{spread([c for c, _ in got], '.2f')} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "async_floor.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "async_floor.json").write_text(json.dumps(

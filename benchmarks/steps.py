@@ -42,6 +42,13 @@ SPEC = str(ROOT / "benchmarks" / "mlp.py")
 BATCH = 64
 
 
+def steady_rate(stamps: list[float]) -> float:
+    """Events per second over the last three quarters of their time stamps (the first
+    quarter is warm-up)."""
+    steady = stamps[len(stamps) // 4 :]
+    return (len(steady) - 1) / (steady[-1] - steady[0])
+
+
 def _steady(times: list[float]) -> float:
     return statistics.median(times[len(times) // 4 :])
 
@@ -173,9 +180,7 @@ def tensorbus_async(params: str, pushes: int, workers: int = 2, compress: str = 
     """Updates applied per second by `tensorbus local --strategy async`, batch 1."""
     records = _tensorbus(params, workers, "async", pushes, "--batch-size", "1", "--lr", "0.01",
                          *(["--compress", compress] if compress else []), tree=tree)
-    steps = [r["train_s"] for r in records if r["event"] == "step"]
-    steady = steps[len(steps) // 4 :]
-    return (len(steady) - 1) / (steady[-1] - steady[0])
+    return steady_rate([r["train_s"] for r in records if r["event"] == "step"])
 
 
 def tensorbus_ssp(params: str, pushes: int, staleness: int, workers: int = 2,
@@ -185,9 +190,7 @@ def tensorbus_ssp(params: str, pushes: int, staleness: int, workers: int = 2,
                          "--staleness", str(staleness), tree=tree)
     if records[-1]["dropped"]:  # (a held worker that pushed again would be one)
         raise RuntimeError(f"ssp dropped updates: {records[-1]['dropped']}")
-    steps = [r["train_s"] for r in records if r["event"] == "step"]
-    steady = steps[len(steps) // 4 :]
-    return (len(steady) - 1) / (steady[-1] - steady[0])
+    return steady_rate([r["train_s"] for r in records if r["event"] == "step"])
 
 
 def _naive_server(port: int, params: str, pushes: int) -> None:
@@ -249,5 +252,4 @@ def naive_ps(params: str, pushes: int, workers: int = 2) -> float:
             p.join(60)
             if p.is_alive():
                 p.kill()
-    steady = stamps[len(stamps) // 4 :]
-    return (len(steady) - 1) / (steady[-1] - steady[0])
+    return steady_rate(stamps)

@@ -38,7 +38,6 @@ def test_a_topology_example_trains(script: str, args: list[str]) -> None:
     assert 0.0 <= summary["accuracy"] <= 1.0
 
 
-
 def _reap(example: subprocess.Popen[str]) -> None:
     """End whatever is left of the example's session: SIGTERM first (multiprocessing's
     resource tracker ignores it and unlinks the shared memory once its users are gone),
