@@ -67,6 +67,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # steps write sets that the workers compute on (results/async_floor-ring4.md).
 RING = 16
 LR = 0.01
+WAIT_MS = 60_000  # the longest a node waits for a message before it fails
 
 
 def _shared(path: str, count: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -88,6 +89,7 @@ def _server(port: int, folder: str, workers: int, updates: int, out: Any) -> Non
     grads = [_shared(f"{folder}/grads-{r}", 2, numel) for r in range(workers)]
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVTIMEO, WAIT_MS)  # a worker gone: zmq.Again, not a hang
     router.bind(f"tcp://127.0.0.1:{port}")
     out.put("ready")
     version, stamps = 0, []
@@ -170,6 +172,7 @@ def _worker(port: int, folder: str, rank: int, pipelined: bool, in_place: bool) 
 
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, WAIT_MS)  # the server gone: zmq.Again, not a hang
     dealer.connect(f"tcp://127.0.0.1:{port}")
     version, i, slot = 0, 0, 0
     if pipelined:
