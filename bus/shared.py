@@ -38,7 +38,10 @@ lies, under a topic of its own (`bus.transport`), not its bytes. A version's rea
 not counted: the pool writes a set again only some versions after it was published
 (`bus.buffers.SendBuffers` with `reused`), bumping its generation counter first, and a
 worker checks the counter after its copy and pulls the version's bytes if it moved
-(`nodes.link.Link.load_shared`): a torn copy is never computed on.
+(`nodes.link.Link.load_shared`): a torn copy is never computed on. A worker whose only
+coordinator is on its host computes on the set itself, where it lies, and checks the
+counter once its gradient is made, before it pushes it: moved, and it computes again on
+a copy (`nodes.worker.Worker._follow_set`).
 
 Trust: a coordinator takes references only from members, only in a Push, and a worker
 only from its coordinator, only in Weights; only for float tensors, only from regular files

@@ -277,6 +277,36 @@ class Link:
                     self._gap.set()
             # (Newer weights by reference may have come while a pull was awaited.)
 
+    def take_shared(self) -> Weights | None:
+        """The newest whole weights, if they came by reference with nothing chained on
+        them and their set is not being written again yet: taken as loaded (their
+        version), for a worker that computes on them where they lie (nodes.worker,
+        `_follow_set`) instead of copying them in (load_shared). None otherwise."""
+        weights = self._latest
+        if not self.shared_pending() or self._chain or weights is None:
+            return None
+        first = weights.tensors[0]
+        assert isinstance(first, torch.Tensor)  # (by reference: one view a tensor)
+        if Shelf.generation(first) != weights.generation:
+            return None  # rewritten already: load_shared copies, finds it torn, and pulls
+        self._latest, self._latest_shared = None, False
+        self.version = weights.version
+        self.by_reference += 1
+        return weights
+
+    def give_back(self, weights: Weights) -> None:
+        """The model no longer computes on `weights` where they lie (taken with
+        take_shared), and its own buffers hold them no more: unless a newer version is
+        waiting to be loaded, have load_shared copy them in (or pull their version, if
+        their set was written again meanwhile)."""
+        if self.newest() > weights.version:
+            return  # loaded whole before the next compute
+        self._latest, self._latest_shared, self._chain = weights, True, []
+        self.by_reference -= 1  # counted again when copied
+        # What the model holds now is nobody's version: the one before, so that the
+        # version is loaded again (and a Pull asks for it).
+        self.version = weights.version - 1
+
     def shared_pending(self) -> bool:
         """Whether the newest whole weights came by reference and are not loaded yet."""
         return (self._latest_shared and self._latest is not None

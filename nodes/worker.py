@@ -12,7 +12,10 @@ shard, each owning a range of the flat parameters; a push sends each shard its r
 at once, and the worker goes on when every shard has answered (and, where the strategy
 waits, published a newer version). Compute (data, forward, backward) runs in a thread, so
 heartbeats go on while it runs. Weights are only loaded between computes, on the loop,
-from the newest version each link has seen.
+from the newest version each link has seen; with one coordinator on this host, whose
+versions come by reference, the model computes on the newest where the coordinator made it,
+in its shared memory, without copying it in, and computes again, on a copy, if that set
+was written meanwhile (`_follow_set`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from torch import nn
 from bus.buffers import Tracker, wait_sent
 from bus.errors import PeerTimeoutError, RejectedError
 from bus.layout import Compression
-from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Welcome
-from bus.shared import Arena, Probe, Ref
+from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
+from bus.shared import Arena, Probe, Ref, Shelf
 from bus.transport import Hub
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
@@ -46,6 +49,12 @@ from strategies.base import PushKind, Wait
 log = logging.getLogger("tensorbus.worker")
 _T = TypeVar("_T")
 FINISHING_SAY_S = 5.0  # a failed worker waiting longer for its compute thread says so
+# After a compute on a coordinator's weight set that was written again meanwhile (done
+# again), the next computes copy their weights in before one computes in place again: 2
+# after a first, twice as many after each redo of the first in place after them (up to
+# 64), so that a worker often slower than the sets are reused wastes few computes, and one
+# held up once soon computes in place again.
+COPY_AFTER_REDO = (2, 64)
 
 Data = Callable[[int, int, int], Iterable[Any]]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,6 +78,7 @@ class WorkerReport:
     rejoins: int = 0  # times it joined again after losing the coordinator or being removed
     by_reference: int = 0  # versions loaded from a coordinator's shared memory (bus.shared)
     torn: int = 0  # of those, copies thrown away and pulled again: the set was rewritten
+    redone: int = 0  # computes on a coordinator's set rewritten meanwhile: done again
 
 
 class Worker:
@@ -129,6 +139,13 @@ class Worker:
         self._arena: Arena | None = None
         self._keeping: Keeping | None = None  # the arena's, for the outbox's narrow buffers
         self._no_arena = self._probe is None
+        # The model may compute on versions where the coordinator made them (_follow_set).
+        self._in_place = False
+        self._on_set: _OnSet | None = None  # the coordinator's set the model computes on now
+        self._copying = 0  # computes left that copy their weights in (COPY_AFTER_REDO)
+        self._backoff = 0  # how many the last redo had copy (0: the last in place held)
+        self.redone = 0
+        self._again: tuple[torch.Tensor, torch.Tensor] | None = None  # the batch to redo
 
     @property
     def version(self) -> int:
@@ -143,6 +160,7 @@ class Worker:
         except Stopped:
             # Every worker ends holding the final model (as every rank of DDP does).
             changed = self._optimizer is not None  # local steps since the last load
+            self._leave_set(keep=True)  # off the coordinator's set: copied in below
             self._bind(self._own)  # loaded below in place: off the shard's sets first
             await asyncio.gather(*(link.load_final(changed=changed) for link in self.links))
             await self._leave("stopped", "")
@@ -161,7 +179,7 @@ class Worker:
                     shared.close()
         return WorkerReport(self.rank, self.clock, self._last_loss, self.version, self.rejoins,
                             by_reference=sum(link.by_reference for link in self.links),
-                            torn=sum(link.torn for link in self.links))
+                            torn=sum(link.torn for link in self.links), redone=self.redone)
 
     async def _sessions(self) -> None:
         """Join and train; when the coordinator is lost or has removed us, join again.
@@ -218,6 +236,7 @@ class Worker:
         our data shard stays ours; any, if another worker has it now), the other shards
         are asked for that rank. Returns the first shard's Welcome."""
         self._sharing = False
+        self._leave_set(keep=False)  # (the Welcome's weights are loaded whole)
         self._bind(self._own)  # the Welcome's weights are loaded in place: see nodes.handover
         first, *others = self.links
         # A rank asked for by the user is theirs to fix if taken; a rank we had before, not.
@@ -246,6 +265,7 @@ class Worker:
             self._enter(Phase.LOADING)
             shards = await asyncio.to_thread(self._load, welcome)
             self._batches = _Epochs(shards, self._describe_data(welcome))
+            self._again = None
             await asyncio.to_thread(self._batches.skip, welcome.position)
             self._shard = shard
         weights_pushed = PushKind(welcome.push) is PushKind.WEIGHTS
@@ -283,6 +303,11 @@ class Worker:
         # Each shard's part is pushed as soon as backward has finished it, overlapping the
         # rest of backward, where what is pushed is one backward's gradient.
         early = not weights_pushed and welcome.local_steps == 1
+        # One coordinator on this host, whose versions come by reference: the model
+        # computes on each where the coordinator made it, not on a copy (_follow_set).
+        self._in_place = (early and len(self.links) == 1 and self.links[0].shared
+                          and self._handover is None and self.device.type == "cpu"
+                          and compression.topk is None)
         # What goes on the wire, per gradient set and shard, filled as backward finishes
         # each range: gradients as they are, narrowed or top-k (--compress), or weights.
         outbox = self._make_outbox(compression, weights_pushed, shared=refer is not None)
@@ -302,9 +327,12 @@ class Worker:
             comm_s += time.monotonic() - started
             self._enter(Phase.COMPUTING)
             began, started = time.time(), time.monotonic()
-            # Weights broadcast by reference are loaded here, on the loop, which can pull
-            # them again if the copy was torn (Link.load_shared); the newest weights each
-            # link has besides are loaded by the compute thread, first.
+            # Weights broadcast by reference are computed on where they lie, or loaded
+            # here, on the loop, which can pull them again if the copy was torn
+            # (Link.load_shared); the newest weights each link has besides are loaded by
+            # the compute thread, first.
+            if self._in_place:
+                self._follow_set()
             while any(link.shared_pending() for link in self.links):  # (a pull lets more in)
                 for link in self.links:
                     await link.load_shared()
@@ -333,7 +361,17 @@ class Worker:
                                           refer if link.shared else None)
                     for i, link in enumerate(self.links))))
                 async with _cancelling(pushes):
-                    self._last_loss = (await compute)[0]
+                    try:
+                        self._last_loss = (await compute)[0]
+                    except _Rewritten:
+                        # Nothing was pushed (its part was not made ready): the same batch
+                        # again, on the newest version, copied in (_redo).
+                        pushes.cancel()
+                        await asyncio.gather(pushes, return_exceptions=True)
+                        self._redo()
+                        continue
+                    if self._on_set is not None:
+                        self._backoff = 0  # computed in place, on a set left alone
                     computed = time.monotonic()
                     self.clock += 1  # counted once sent: heartbeats from now on include it
                     self._enter(Phase.PUSHING)
@@ -455,10 +493,17 @@ class Worker:
         if loaded is not None:
             loaded()  # the links let go of the frames too: their senders may reuse them
         finished: set[int] = set()
+        on_set = self._on_set
+        rewritten: list[int] = []
 
         def finish(i: int) -> None:
             if i not in finished:
                 finished.add(i)
+                if on_set is not None and Shelf.generation(on_set.first) != on_set.generation:
+                    # The gradient is made (every weight it read, read): had the set been
+                    # written meanwhile, its counter would have moved by now (bus.shared).
+                    rewritten.append(i)
+                    return
                 assert self._outbox is not None
                 self._outbox.fill(i, current)
                 if announce is not None:
@@ -467,7 +512,8 @@ class Worker:
         total_loss, samples = 0.0, 0
         for step in range(local_steps):
             self.config.faults.before_step(self.steps)
-            inputs, targets = self._batches_next()
+            inputs, targets = self._again or self._batches_next()
+            self._again = None
             self.flat.begin_backward()
             pushes_gradient = step == local_steps - 1 and self._optimizer is None
             self._on_range = finish if pushes_gradient else None
@@ -493,7 +539,61 @@ class Worker:
         else:
             for i in range(len(self._shards)):  # those backward did not report (no hook ran)
                 finish(i)
+        if rewritten:  # (in place, local_steps is 1: this batch is the compute's only one)
+            self.steps -= local_steps
+            self._again = (inputs, targets)
+            raise _Rewritten
         return total_loss / local_steps, samples
+
+    def _follow_set(self) -> None:
+        """Before a compute, where the model may compute in place (`_in_place`): bind it
+        to the coordinator's set that the newest version came in (a copy of the model saved
+        a compute), or back to its own buffers for a version that comes otherwise.
+
+        The coordinator does not know that the set is read: its pool writes a set again
+        some versions after publishing it (bus.shared, Gallery), bumping its counter first.
+        The compute reads the counter again once the gradient is made, before it is made
+        ready to push (`_compute`): moved, and the gradient is thrown away and computed
+        again (`_redo`). The set is mapped read-only here: nothing in the worker writes
+        the model's weights while they lie there (each load goes to its own buffers)."""
+        link = self.links[0]
+        if self._copying:
+            self._copying -= 1
+            return
+        taken = link.take_shared()
+        if taken is not None:
+            tensors = tuple(t for t in taken.tensors if isinstance(t, torch.Tensor))
+            self.flat.rebind(tensors)
+            link.rebind(tensors)
+            self._on_set = _OnSet(taken, tensors[0], taken.generation)
+        elif self._on_set is not None and link.newest() > link.version:
+            self._leave_set(keep=False)  # what comes is loaded whole
+
+    def _leave_set(self, *, keep: bool) -> None:
+        """Bind the model back to its own buffers, if it computes on a coordinator's set;
+        `keep`: the version it held is to be copied in before the next compute (unless a
+        newer one comes first: Link.give_back)."""
+        on, self._on_set = self._on_set, None
+        if on is None:
+            return
+        self.flat.rebind(self._own)
+        link = self.links[0]
+        link.rebind(self._own)
+        if keep:
+            link.give_back(on.weights)
+
+    def _redo(self) -> None:
+        """After a compute on a coordinator's set that was written again meanwhile: the
+        next ones copy their weights in (COPY_AFTER_REDO), the first the newest version."""
+        on = self._on_set
+        assert on is not None
+        log.info("worker %d: the %s wrote the weights of version %d again while they were "
+                 "computed on: computing again on the newest version", self.rank,
+                 self.links[0].peer, on.weights.version)
+        self.redone += 1
+        first, most = COPY_AFTER_REDO
+        self._backoff = self._copying = min(max(2 * self._backoff, first), most)
+        self._leave_set(keep=True)
 
     def _follow_handover(self, latest: list[Newer | None]) -> None:
         """Before loading `latest`, beside a colocated shard: bind the model to the set
@@ -600,6 +700,19 @@ class _Epochs:
             raise DataError(f"{self._described} must yield (input, target) tensor pairs, "
                             f"got {type(batch).__name__}")
         return batch[0], batch[1]
+
+
+class _Rewritten(Exception):
+    """The coordinator's set the model computed on was written again meanwhile."""
+
+
+@dataclass(frozen=True)
+class _OnSet:
+    """The version the model computes on where it lies, in a coordinator's set."""
+
+    weights: Weights
+    first: torch.Tensor  # its first tensor: the set's counter is read through it
+    generation: int  # the set's, as published with the version
 
 
 @dataclass

@@ -171,8 +171,9 @@ def _worker(args: argparse.Namespace) -> int:
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         report = runner.run(worker.run())
     logging.getLogger("tensorbus.worker").info(
-        "worker %d done: %d pushes, last loss %s, %d versions loaded by reference (%d torn)",
-        report.rank, report.pushes, report.last_loss, report.by_reference, report.torn)
+        "worker %d done: %d pushes, last loss %s, %d versions loaded by reference (%d torn), "
+        "%d computes done again (their weights rewritten meanwhile)", report.rank,
+        report.pushes, report.last_loss, report.by_reference, report.torn, report.redone)
     return 0
 
 

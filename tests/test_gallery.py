@@ -23,7 +23,8 @@ from bus.codec import decode, encode
 from bus.messages import Weights
 from bus.shared import ROOT, Gallery, Shelf
 from nodes import Coordinator, CoordinatorConfig, Worker
-from nodes.worker import WorkerReport
+from nodes.faults import Faults
+from nodes.worker import COPY_AFTER_REDO, WorkerReport
 from strategies import Async, Sync
 
 pytestmark = pytest.mark.skipif(not ROOT.is_dir() or not Gallery.usable(),
@@ -87,13 +88,18 @@ def test_a_shared_pool_reuses_the_set_released_longest_ago_and_bumps_it_first() 
 
 # In one loop, over real ZeroMQ ------------------------------------------------------------
 
-def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False
-           ) -> tuple[list[torch.Tensor], list[WorkerReport], int]:
-    """Train 2 workers; the coordinator's final weights, the workers' reports, and how
-    many weight sets the coordinator made in shared memory. With `tear`, worker 0's first
-    copy of a version by reference is spoilt as a rewrite of the set would spoil it: NaN,
-    and the set's generation moved on."""
+def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False,
+           rewrite: bool = False, slow_s: float = 0.0,
+           ) -> tuple[list[torch.Tensor], list[WorkerReport], int, list[int]]:
+    """Train 2 workers; the coordinator's final weights, the workers' reports, how many
+    weight sets the coordinator made in shared memory, and how many computes each worker
+    made on the coordinator's set itself (in place). With `tear`, worker 0's first copy of
+    a version by reference is spoilt as a rewrite of the set would spoil it: NaN, and the
+    set's generation moved on; with `rewrite`, the generation of the set its first compute
+    in place reads moves on during that compute. `slow_s`: worker 0 sleeps that long before
+    each step."""
     made = [0]
+    in_place = [0, 0]
     allocate = Gallery.allocate
 
     def counted(self: Gallery, buckets: Any) -> tuple[torch.Tensor, ...]:
@@ -105,9 +111,13 @@ def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False
             model=_model(), strategy=strategy, config=CoordinatorConfig(batch_size=8, steps=steps),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         endpoint = coordinator.bind()
-        workers = [_worker(endpoint, r, None, shared_memory=shared) for r in (0, 1)]
+        workers = [_worker(endpoint, r, None, shared_memory=shared,
+                           faults=Faults(slow_s=slow_s if r == 0 else 0.0))
+                   for r in (0, 1)]
         if tear:
             _tear_first_copy(workers[0], coordinator)
+        if rewrite:
+            _rewrite_first_set(workers[0], coordinator)
         _, *reports = await asyncio.gather(coordinator.run(), *(w.run() for w in workers))
         return [w.clone() for w in coordinator.flat.weights], reports
 
@@ -118,13 +128,17 @@ def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False
         for link, newer in zip(self.links, latest, strict=True):
             if newer is not None and newer.weights is not None and link._shelf is not None:
                 assert not link._shelf.holds(newer.weights.tensors[0])
+        shelf = self.links[0]._shelf
+        if shelf is not None and shelf.holds(self.flat.weights[0]):
+            assert self._on_set is not None and latest == [None]
+            in_place[self.rank] += 1
         return compute(self, latest, *args)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Gallery, "allocate", counted)
         patch.setattr(Worker, "_compute", checked)
         weights, reports = asyncio.run(scenario())
-    return weights, reports, made[0]
+    return weights, reports, made[0], in_place
 
 
 def _tear_first_copy(worker: Worker, coordinator: Coordinator) -> None:
@@ -147,22 +161,42 @@ def _tear_first_copy(worker: Worker, coordinator: Coordinator) -> None:
     link.load = tearing  # type: ignore[method-assign]
 
 
+def _rewrite_first_set(worker: Worker, coordinator: Coordinator) -> None:
+    """Move the generation of the set worker's first compute in place reads, during it."""
+    take = worker._batches_next
+    done: list[int] = []
+
+    def rewriting() -> tuple[torch.Tensor, torch.Tensor]:
+        on = worker._on_set
+        if not done and on is not None:
+            done.append(on.weights.version)
+            # In sync, the set of the version computed on is the coordinator's snapshot.
+            assert coordinator._gallery is not None and coordinator._snapshot is not None
+            coordinator._gallery.bump(coordinator._snapshot.buffers)
+            assert Shelf.generation(on.first) != on.generation
+        return take()
+
+    worker._batches_next = rewriting  # type: ignore[method-assign]
+
+
 def test_sync_loads_every_version_by_reference_with_the_bits_of_bytes() -> None:
     before = _ours()
-    want, plain, _ = _train(Sync(workers=2), shared=False)
-    got, reports, made = _train(Sync(workers=2), shared=True, steps=8)
+    want, plain, _, none = _train(Sync(workers=2), shared=False)
+    got, reports, made, in_place = _train(Sync(workers=2), shared=True, steps=8)
     assert all((r.final_version, r.by_reference, r.torn) == (8, 0, 0) for r in plain)
     # Each version, the last one included (loaded once stopped), from the shared set.
     assert all((r.final_version, r.by_reference, r.torn) == (8, 8, 0) for r in reports)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert made <= 6  # a few sets, reused: none a version
     assert _ours() == before  # the coordinator's sets are unlinked
+    # Every compute but the first (on the Welcome's weights) on the coordinator's set.
+    assert none == [0, 0] and in_place == [r.pushes - 1 for r in reports]
 
 
 def test_a_torn_copy_is_thrown_away_and_the_version_pulled_as_bytes() -> None:
     before = _ours()
-    want, _, _ = _train(Sync(workers=2), shared=False)
-    got, reports, _ = _train(Sync(workers=2), shared=True, tear=True)
+    want, _, _, _ = _train(Sync(workers=2), shared=False)
+    got, reports, _, _ = _train(Sync(workers=2), shared=True, tear=True)
     # Worker 1 reads the same set: torn too if it checks the counter after the bump.
     assert (reports[0].by_reference, reports[0].torn) == (7, 1)
     assert reports[1].by_reference + reports[1].torn == 8
@@ -173,9 +207,42 @@ def test_a_torn_copy_is_thrown_away_and_the_version_pulled_as_bytes() -> None:
 
 def test_async_loads_versions_by_reference_and_makes_no_set_a_version() -> None:
     before = _ours()
-    weights, reports, made = _train(Async(workers=2), shared=True, steps=40)
+    weights, reports, made, _ = _train(Async(workers=2), shared=True, steps=40)
     assert all(r.by_reference >= 1 for r in reports)
     assert sum(r.by_reference for r in reports) >= 10
     assert all(bool(torch.isfinite(w).all()) for w in weights)
     assert made <= 8
+    assert _ours() == before
+
+
+def test_a_compute_on_a_set_written_meanwhile_is_done_again_on_a_copy_with_the_same_batch() -> None:
+    before = _ours()
+    want, _, _, _ = _train(Sync(workers=2), shared=False)
+    got, reports, _, in_place = _train(Sync(workers=2), shared=True, rewrite=True)
+    # Worker 1 computes on the same set: done again too if it read the counter after.
+    assert reports[0].redone == 1 and reports[1].redone <= 1
+    # Every compute in place (the one done again too) but the first, on the Welcome's
+    # weights, and the 2 after the redo (COPY_AFTER_REDO), the first of which pulled the
+    # version it was computed on.
+    first, _ = COPY_AFTER_REDO
+    assert in_place[0] == reports[0].pushes + 1 - 1 - first
+    assert reports[0].torn >= 1  # (the version given back, its copy found torn: pulled)
+    assert all(r.final_version == 8 for r in reports)
+    # The same bits as with bytes: nothing computed on the set was pushed, and the batch
+    # was computed again on the version's own weights.
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert _ours() == before
+
+
+def test_async_with_a_worker_slower_than_the_sets_are_reused_redoes_few_computes() -> None:
+    before = _ours()
+    weights, reports, _, in_place = _train(Async(workers=2), shared=True, steps=60, slow_s=0.03)
+    slow, fast = reports
+    assert slow.redone >= 1  # its sets were written again while it slept on them
+    # After each, twice as many computes as after the last copy their weights in, from
+    # COPY_AFTER_REDO's first: few thrown away.
+    first, _ = COPY_AFTER_REDO
+    assert slow.redone <= 1 + math.log2(1 + slow.pushes / first)
+    assert fast.redone == 0 and in_place[1] >= 10
+    assert all(bool(torch.isfinite(w).all()) for w in weights)
     assert _ours() == before
