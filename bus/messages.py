@@ -227,7 +227,8 @@ class Leave(Message):
 @dataclass(frozen=True, kw_only=True)
 class Stop(Message):
     KIND = Kind.STOP
-    reason: str = "done"
+    reason: str = "done"  # or "error": the run failed
+    detail: str = ""  # why it failed
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ from nodes.collectives import (
 from nodes.colocated import Colocated
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import Coordinator, Progress, State, TrainingError
+from nodes.link import RunFailedError
 from nodes.relay import Relay
 from nodes.shards import ShardModel, assemble
 from nodes.worker import ComputeError, DataError, Worker, WorkerReport
@@ -29,6 +30,7 @@ __all__ = [
     "GroupServer",
     "Progress",
     "Relay",
+    "RunFailedError",
     "ShardModel",
     "State",
     "TrainingError",

@@ -561,7 +561,7 @@ class Coordinator:
         again = self._members.get(peer) is not None  # a repeated Join (a retry): no-op
         admitted = self._members.join(peer, message.rank, now)
         if isinstance(admitted, RejectCode):
-            await self._refuse(peer, message, admitted, f"rank {message.rank} not available")
+            await self._refuse(peer, message, admitted, self._members.refusal(admitted, message.rank))
             return
         if not again:
             log.info("worker %d joined (%s, build %s)", admitted.rank, self._name(peer), message.build)
@@ -680,7 +680,8 @@ class Coordinator:
                 waits = self.strategy.rhythm.wait is Wait.NEWER
                 member.phase = Phase.WAITING.value if waits else Phase.COMPUTING.value
 
-    async def _unpark(self, workers: Iterable[int], *, stop: bool = False) -> None:
+    async def _unpark(self, workers: Iterable[int], *, stop: Stop | None = None) -> None:
+        """Answer the requests of `workers` held back: with an Ack, or with `stop`."""
         now = time.monotonic()
         for rank in workers:
             parked = self._parked.pop(rank, None)
@@ -690,7 +691,7 @@ class Coordinator:
             if parked.push:
                 self.metrics.worker(rank)["held_s"] += held_s
                 self.watch.answered(rank, held_since=time.time() - held_s)
-            answer: Message = (Stop(request=parked.request, version=self.version) if stop
+            answer: Message = (replace(stop, request=parked.request) if stop is not None
                                else Ack(request=parked.request, version=self.version, held_s=held_s))
             await self._reply(parked.peer, answer)
 
@@ -702,6 +703,12 @@ class Coordinator:
                 case Apply():
                     await self._apply(decision)
                 case Release(workers=workers):
+                    done = self._done_share()
+                    if self.state is State.STARTING and done is not None and done >= 1.0:
+                        # Resumed from the checkpoint of a run that was over: no step more.
+                        await self._stop(f"reached {self._reached()} before this start "
+                                         "(resumed from the end of a run)")
+                        return
                     await self._unpark(workers)
                     if self.metrics.trained_from is None and self.strategy.started:
                         self.metrics.training_started()
@@ -757,13 +764,16 @@ class Coordinator:
             await self._checkpoint()
             await self._stop(f"stop requested: {self._stop_requested}")
         elif done is not None and done >= 1.0:
-            what = (f"version {self.version}" if self._target is not None
-                    else f"{self.metrics.samples} samples")
             await self._checkpoint()
-            await self._stop(f"reached {what}")
+            await self._stop(f"reached {self._reached()}")
         elif (self.config.checkpoint_every is not None
               and self.version % self.config.checkpoint_every == 0):
             await self._checkpoint()
+
+    def _reached(self) -> str:
+        """What the run has reached, in the terms of its target."""
+        return (f"version {self.version}" if self._target is not None
+                else f"{self.metrics.samples} samples")
 
     def _done_share(self) -> float | None:
         if self._target is not None:
@@ -945,7 +955,9 @@ class Coordinator:
         batches = [m.batches for m in self._members if m.ready]
         if not batches or min(batches) < 1:
             raise TrainingError(
-                "--epochs needs data() to return a sized iterable (with len()); use --steps"
+                "--epochs counts passes over every member's batches, and a member did not "
+                "say how many it has: data() must return a sized iterable (with len()), and "
+                "a relay never says (its workers' data is theirs); use --steps"
             )
         samples = epochs * sum(batches) * self.config.batch_size
         log.info("%d epoch(s) over %d workers' %d batches: %d samples",
@@ -1217,9 +1229,12 @@ class Coordinator:
 
     async def _check_phase(self, now: float) -> None:
         if self.state is State.STARTING and now - self._started_at > self.config.join_timeout_s:
+            early = self.metrics.lost
+            gone = (f"; {len(early)} joined and were lost before training began (ranks "
+                    f"{', '.join(str(w['rank']) for w in early)})" if early else "")
             await self._fail(
                 f"only {len(self._members)} of {self.strategy.workers} workers joined within "
-                f"{self.config.join_timeout_s:.0f} s: are they started, and pointed at "
+                f"{self.config.join_timeout_s:.0f} s{gone}: are they started, and pointed at "
                 f"{self.endpoint}? (--join-timeout waits longer)"
             )
         if self.state is State.TRAINING and len(self._members) < self.config.min_workers:
@@ -1251,9 +1266,11 @@ class Coordinator:
         assert self._server is not None
         self._enter(State.STOPPING, why)
         self.metrics.ended = why
-        await self._unpark(list(self._parked), stop=True)
-        reason = "error" if self._failure is not None else "done"
-        await self._server.publish(encode(Stop(version=self.version, reason=reason)))
+        # A failure is said to the workers too: theirs is not a run that ended well.
+        stop = (Stop(version=self.version, reason="error", detail=self._failure)
+                if self._failure is not None else Stop(version=self.version))
+        await self._unpark(list(self._parked), stop=stop)
+        await self._server.publish(encode(stop))
 
     async def _depart(self, member: Member, why: str, *, lost: bool = False) -> None:
         # A departed worker's kept update stays held: the strategy may still count it.

@@ -89,6 +89,10 @@ class Stopped(Exception):
     """The coordinator said training is over."""
 
 
+class RunFailedError(Exception):
+    """The coordinator ended the run with an error (a worker ends it so too)."""
+
+
 class Owner(Protocol):
     """What a link needs of its worker: who it is and what it does, for requests and beats,
     and how to end the worker's session when this coordinator is lost or removed us."""
@@ -134,6 +138,7 @@ class Link:
         self._gap = asyncio.Event()  # set: a version was missed; pull the whole one
         self._newer = asyncio.Event()
         self.stopped = False
+        self.failure: str | None = None  # why the coordinator's run failed, if it said so
         self._coordinator_version = 0
         self.seen = -math.inf  # when last heard; never: nobody to say goodbye to
         self.joined = False  # welcomed once: a worker stopped before that has nobody to leave
@@ -186,8 +191,9 @@ class Link:
                     raise PeerTimeoutError(self.peer, what, within_s, problem or "") from None
                 if time.monotonic() >= say_at:
                     say_at = math.inf
-                    log.warning("worker %d: no answer to its %s from the %s yet (%s); trying "
-                                "for %.0f s in all", self._owner.rank, what.split(":")[0],
+                    who = f"worker {rank}" if rank >= 0 else "a worker (any rank)"
+                    log.warning("%s: no answer to its %s from the %s yet (%s); trying "
+                                "for %.0f s in all", who, what.split(" ")[0],
                                 self.peer, problem or "is it running?", within_s)
                 wait = min(wait * 2, 10.0)
                 continue
@@ -458,11 +464,16 @@ class Link:
             self._pending.pop(request, None)
         match reply:
             case Stop():
-                self.stopped = True
+                self._stopped_by(reply)
                 raise Stopped
             case Reject(code=code, detail=detail):
                 raise RejectedError(code, detail)
         return reply, tracker
+
+    def _stopped_by(self, stop: Stop) -> None:
+        self.stopped = True
+        if stop.reason == "error":
+            self.failure = stop.detail or "no reason given"
 
     async def _while_alive(self, future: asyncio.Future[Message], *, waiting_for: str) -> Message:
         while True:
@@ -544,7 +555,7 @@ class Link:
                 case Heartbeat() if message.version > self.version:
                     self._newer.set()  # maybe a missed broadcast: let the waiter look
                 case Stop():
-                    self.stopped = True
+                    self._stopped_by(message)
                     self._newer.set()
             # Let go of the frames now, not when the next broadcast comes: sent in-process,
             # they are the coordinator's snapshot, which it may not reuse while we hold it.

@@ -68,6 +68,20 @@ class Membership:
         self._by_identity[identity] = member
         return member
 
+    def refusal(self, code: RejectCode, rank: int) -> str:
+        """Why `join` refused `rank` with `code`, and what to do, in words."""
+        ranks = f"{self._ranks.start}..{self._ranks.stop - 1}"
+        if code is RejectCode.RANK_TAKEN:
+            return (f"rank {rank} is another worker's: give each worker its own --rank, or "
+                    "none (it then takes the lowest free one)")
+        if code is RejectCode.FULL and rank == -1:
+            return (f"every rank ({ranks}) is taken: start the coordinator with more --workers, "
+                    "or with --max-workers to let more join")
+        if code is RejectCode.FULL:
+            return (f"rank {rank} is not one of this run's ({ranks}): give a --rank in that "
+                    "range, or none, or start the coordinator with more --workers or --max-workers")
+        return f"rank {rank} is not a rank"
+
     def remove(self, member: Member) -> None:
         self._by_rank.pop(member.rank, None)
         self._by_identity.pop(member.identity, None)

@@ -42,7 +42,7 @@ from bus.transport import Hub
 from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
 from nodes.handover import Handover
-from nodes.link import Link, Newer, Stopped
+from nodes.link import Link, Newer, RunFailedError, Stopped
 from nodes.outbox import Keeping, Outbox
 from strategies.base import PushKind, Wait
 
@@ -164,6 +164,10 @@ class Worker:
             self._bind(self._own)  # loaded below in place: off the shard's sets first
             await asyncio.gather(*(link.load_final(changed=changed) for link in self.links))
             await self._leave("stopped", "")
+            for link in self.links:
+                if link.failure is not None:
+                    raise RunFailedError(f"the {link.peer} ended the run with an error: "
+                                         f"{link.failure}")
         except asyncio.CancelledError:
             await self._leave("interrupted", "")
             raise
@@ -204,7 +208,7 @@ class Worker:
             self.rejoins += 1
             waited = time.monotonic() - min(link.seen for link in self.links)
             welcome = await self._join(max(self.config.reconnect_timeout_s - waited, 1.0),
-                                       f"rejoin after: {why}")
+                                       f"rejoin (after: {why})")
 
     async def _session(self, welcome: Welcome) -> None:
         """One membership: train until stopped, lost (PeerTimeoutError) or removed

@@ -26,6 +26,7 @@ from bus.security import load_client_keys, load_server_keys, make_keys
 from bus.transport import is_loopback, new_event_loop, split_endpoint
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import TrainingError
+from nodes.link import RunFailedError
 from nodes.relay import Relay
 from nodes.worker import ComputeError, DataError, Worker
 from run import cluster, device, interrupts
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, ValueError) as e:
         return fail(e, str(e), 2)
     except (TrainingError, LocalRunError, DataError, ComputeError, PeerTimeoutError, RejectedError,
-            HandshakeError, OSError) as e:
+            HandshakeError, RunFailedError, OSError) as e:
         return fail(e, str(e), 1)
     except Exception as e:  # noqa: BLE001 - a bug: still one line, the traceback on request
         return fail(e, f"internal error: {type(e).__name__}: {e} (a bug in tensorbus: run "
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # Causes that are ours and already said in full: no traceback would help a user. (A
 # ValueError or OSError as a cause came from the SPEC's code or a library: its traceback may.)
-_OURS = (SpecError, TrainingError, PeerTimeoutError, RejectedError, HandshakeError)
+_OURS = (SpecError, TrainingError, PeerTimeoutError, RejectedError, HandshakeError, RunFailedError)
 
 
 def _local(args: argparse.Namespace) -> int:

@@ -163,9 +163,31 @@ def test_min_workers_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
         assert c.coordinator.returncode == 1
         log = (tmp_path / "coordinator.log").read_text()
         assert "fewer than the minimum of 3" in log and "lost: 2" in log, log
-        # Told to stop, the others do not wait to reconnect: they end at once.
+        # Told to stop, the others do not wait to reconnect: they end at once, and fail
+        # with the run, saying why.
         for rank in (0, 1):
-            assert c.workers[rank].wait(timeout=15) == 0, c.logs()
+            assert c.workers[rank].wait(timeout=15) == 1, c.logs()
+            last = (tmp_path / f"worker-{rank}.log").read_text().strip().splitlines()[-1]
+            assert last.startswith("error: the coordinator at tcp://"), last
+            assert "ended the run with an error: " in last and "fewer than the minimum" in last
+
+
+def test_a_worker_lost_before_training_is_named_when_the_run_cannot_start(tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        c.start_coordinator("--workers", "2", "--steps", "10", "--join-timeout", "12",
+                            "--log-level", "info")
+        c.start_worker(0)
+        log = tmp_path / "coordinator.log"
+        deadline = time.monotonic() + 60
+        while "worker 0 joined" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, c.logs()
+            time.sleep(0.05)
+        c.workers[0].kill()
+        assert c.coordinator is not None
+        assert c.coordinator.wait(timeout=60) == 1
+        last = log.read_text().strip().splitlines()[-1]
+        assert last.startswith("tensorbus: error: only 0 of 2 workers joined within 12 s; 1 "
+                               "joined and were lost before training began (ranks 0): "), last
 
 
 @pytest.mark.parametrize("strategy", ["sync", "average"])
@@ -208,4 +230,4 @@ def test_a_worker_whose_coordinator_is_gone_for_good_gives_up_and_says_why(tmp_p
         assert time.monotonic() - killed_at < TIMEOUT_S + 3 + 6
         log = (tmp_path / "worker-0.log").read_text()
         assert "lost the coordinator" in log
-        assert "did not answer rejoin after: lost the coordinator" in log, log
+        assert "did not answer rejoin (after: lost the coordinator" in log, log

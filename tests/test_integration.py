@@ -161,6 +161,14 @@ def test_a_taken_rank_is_refused() -> None:
         with pytest.raises(RejectedError) as refused:
             await _worker(endpoint, rank=0).run()
         assert refused.value.code == "rank_taken"
+        assert str(refused.value) == ("rejected (rank_taken): rank 0 is another worker's: give "
+                                      "each worker its own --rank, or none (it then takes the "
+                                      "lowest free one)")
+        with pytest.raises(RejectedError) as refused:
+            await _worker(endpoint, rank=7).run()
+        assert str(refused.value) == (
+            "rejected (full): rank 7 is not one of this run's (0..1): give a --rank in that "
+            "range, or none, or start the coordinator with more --workers or --max-workers")
         await asyncio.gather(first, _worker(endpoint, rank=1).run())
         assert (await run)["steps"] == 3
 

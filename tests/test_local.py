@@ -77,6 +77,29 @@ def test_local_trains_and_writes_the_summary(tmp_path: Path) -> None:
     assert _left_running(str(spec)) == []
 
 
+def test_resuming_a_finished_run_makes_no_step_more(tmp_path: Path) -> None:
+    """--resume from the checkpoint a run wrote as it reached --steps (or --epochs) ends at
+    once, at that version: the workers join and are told to stop, with no push."""
+    spec = _spec(tmp_path, "digits_resume")
+    for target in (["--steps", "12"], ["--epochs", "1"]):
+        ckpt = tmp_path / target[0][2:]
+        common = ["local", str(spec), "--workers", "2", *target, "--checkpoint-dir", str(ckpt),
+                  *FAST]
+        first = _run(common)
+        assert first.returncode == 0, first.stderr
+        again = _run([*common, "--resume"])
+        assert again.returncode == 0, again.stderr
+        before, after = json.loads(first.stdout), json.loads(again.stdout)
+        assert after["resumed_from"] == before["steps"] > 0
+        assert (after["steps"], after["samples"]) == (before["steps"], before["samples"])
+        assert after["ended"] == (f"reached {before['ended'].removeprefix('reached ')} before "
+                                  "this start (resumed from the end of a run)")
+        assert all(w["pushes"] == 0 for w in after["per_worker"].values())
+        assert [p.name for p in ckpt.iterdir()] == [f"ckpt-{before['steps']:09d}.pt"]
+        assert after["accuracy"] == before["accuracy"]
+    assert _left_running(str(spec)) == []
+
+
 def _segments_of_others() -> set[Path]:
     """Shared-memory segments of processes other than this one (whose own, from tests
     that ran before in this process, may go meanwhile, when what holds them is collected)."""
