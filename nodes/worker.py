@@ -175,6 +175,7 @@ class Worker:
             await self._leave("error", str(e))
             raise
         finally:
+            self._off_set()
             for link in self.links:
                 await link.close()
             # The files go; the buffers stay mapped while used.
@@ -585,6 +586,17 @@ class Worker:
         link.rebind(self._own)
         if keep:
             link.give_back(on.weights)
+
+    def _off_set(self) -> None:
+        """As the worker ends, in any way: a model still bound to a coordinator's set (a
+        failed run) gets its own buffers back, holding what the set holds now, so that
+        whoever uses the model after (from Python) may write its weights."""
+        on = self._on_set
+        if on is not None:
+            with torch.no_grad():
+                for own, where in zip(self._own, self.flat.weights, strict=True):
+                    own.copy_(where)
+            self._leave_set(keep=False)
 
     def _redo(self) -> None:
         """After a compute on a coordinator's set that was written again meanwhile: the

@@ -24,7 +24,7 @@ from bus.messages import Weights
 from bus.shared import ROOT, Gallery, Shelf
 from nodes import Coordinator, CoordinatorConfig, Worker
 from nodes.faults import Faults
-from nodes.worker import COPY_AFTER_REDO, WorkerReport
+from nodes.worker import COPY_AFTER_REDO, ComputeError, WorkerReport
 from strategies import Async, Sync
 
 pytestmark = pytest.mark.skipif(not ROOT.is_dir() or not Gallery.usable(),
@@ -245,4 +245,44 @@ def test_async_with_a_worker_slower_than_the_sets_are_reused_redoes_few_computes
     assert slow.redone <= 1 + math.log2(1 + slow.pushes / first)
     assert fast.redone == 0 and in_place[1] >= 10
     assert all(bool(torch.isfinite(w).all()) for w in weights)
+    assert _ours() == before
+
+
+def test_a_worker_that_fails_while_computing_in_place_gets_its_own_weights_back() -> None:
+    """Its model, bound to the coordinator's set (mapped read-only), holds its own buffers
+    again once run() has raised, with the weights it computed on: writable from Python."""
+    async def scenario() -> tuple[Worker, BaseException | None, list[torch.Tensor]]:
+        coordinator = Coordinator(
+            model=_model(), strategy=Sync(workers=1), config=CoordinatorConfig(batch_size=8, steps=50),
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        worker = _worker(coordinator.bind(), 0, None, shared_memory=True)
+        loss, calls = worker._loss, [0]
+
+        def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 4:  # on version 3, in place (1: the Welcome's, copied)
+                raise RuntimeError("boom")
+            return loss(out, target)
+
+        worker._loss = failing
+        running = asyncio.create_task(coordinator.run())
+        try:
+            await worker.run()
+            failure = None
+        except Exception as e:  # noqa: BLE001 - what it raised is checked below
+            failure = e
+        last = [w.clone() for w in coordinator.flat.weights]
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        return worker, failure, last
+
+    before = _ours()
+    worker, failure, last = asyncio.run(scenario())
+    assert isinstance(failure, ComputeError) and "boom" in str(failure)
+    assert worker._on_set is None and worker.flat.weights is worker._own
+    shelf = worker.links[0]._shelf
+    assert shelf is not None and not shelf.holds(worker.flat.weights[0])
+    assert all(torch.equal(a, b) for a, b in zip(worker.flat.weights, last, strict=True))
+    for param in worker._model.parameters():
+        param.data.add_(1.0)  # (in the read-only mapping, this would be a SIGSEGV)
     assert _ours() == before
