@@ -41,6 +41,7 @@ from nodes.coordinator import (
     weights_gallery,
 )
 from nodes.handover import Handover
+from nodes.link import RunFailedError
 from nodes.shards import ShardModel
 from nodes.worker import Data, Loss, Worker, WorkerReport
 from strategies.base import PushKind, Strategy, Wait
@@ -141,6 +142,13 @@ class Colocated:
             serving = asyncio.create_task(self.coordinator.run(before_evaluate=trained))
             tasks += [training, serving, trained]
             done, _ = await asyncio.wait({training, serving}, return_when=asyncio.FIRST_COMPLETED)
+            if (serving not in done and not training.cancelled()
+                    and isinstance(training.exception(), RunFailedError)):
+                # A shard failed the run (ours, or another): ours stops gracefully first,
+                # and raises its own failure if it is ours, else our worker's word of it.
+                self.coordinator.request_stop("the run failed", quiet=True)
+                await serving
+                training.result()
             for task in done:
                 task.result()  # a failure of either side, raised here
             if serving not in done:

@@ -497,7 +497,7 @@ class Coordinator:
         member.last_seen = now
         # Stopping, a worker may still fetch the final weights (a Pull) before it leaves.
         if self.state is State.STOPPING and not isinstance(message, Leave | Heartbeat | Pull):
-            await self._reply(peer, Stop(request=message.request, version=self.version))
+            await self._reply(peer, self._stop_answer(message.request))
             return
         match message:
             case Heartbeat(phase=phase, clock=clock, version=version):
@@ -538,7 +538,7 @@ class Coordinator:
 
     async def _join(self, peer: bytes, message: Join, now: float) -> None:
         if self.state is State.STOPPING:
-            await self._reply(peer, Stop(request=message.request, version=self.version))
+            await self._reply(peer, self._stop_answer(message.request))
             return
         if message.build not in ("", _UNKNOWN_BUILD, BUILD) and BUILD != _UNKNOWN_BUILD:
             await self._refuse(
@@ -652,7 +652,7 @@ class Coordinator:
                 else:
                     self._copy_held(member.rank)
             if stepped and self.state in (State.STOPPING, State.STOPPED):  # (the last step)
-                await self._reply(peer, Stop(request=message.request, version=self.version))
+                await self._reply(peer, self._stop_answer(message.request))
             else:
                 await self._answer(peer, member, message.request, decisions, now, push=True)
         await self._carry_out(decisions)
@@ -1262,13 +1262,24 @@ class Coordinator:
             await self._checkpoint()
             await self._stop(why)
 
+    def _stop_answer(self, request: int) -> Stop:
+        """What a request is answered with once stopping: a failure said, as broadcast
+        (`_stop`), so that a worker whose answer comes first knows it too."""
+        if self._failure is not None:
+            return Stop(request=request, version=self.version, reason="error", detail=self._failure)
+        return Stop(request=request, version=self.version)
+
+    @property
+    def failed(self) -> bool:
+        """Whether the run is failing or failed (run() raises, or will, TrainingError)."""
+        return self._failure is not None
+
     async def _stop(self, why: str) -> None:
         assert self._server is not None
         self._enter(State.STOPPING, why)
         self.metrics.ended = why
         # A failure is said to the workers too: theirs is not a run that ended well.
-        stop = (Stop(version=self.version, reason="error", detail=self._failure)
-                if self._failure is not None else Stop(version=self.version))
+        stop = self._stop_answer(0)
         await self._unpark(list(self._parked), stop=stop)
         await self._server.publish(encode(stop))
 

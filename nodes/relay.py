@@ -37,7 +37,7 @@ from bus.messages import Ack, Phase, Push, Ready, RejectCode
 from bus.pieces import Received
 from bus.security import ClientKeys
 from nodes.config import CoordinatorConfig
-from nodes.coordinator import Coordinator, OptimizerFactory, Progress
+from nodes.coordinator import Coordinator, OptimizerFactory, Progress, State
 from nodes.link import Link, Stopped
 from nodes.membership import Membership
 from strategies.base import PushKind, Strategy, Wait
@@ -142,7 +142,12 @@ class Relay(Coordinator):
                 await self._fail(f"relay {self.rank}: {self._lost.result()}")
                 return
             if self._upstream.stopped:
-                self.request_stop("the root stopped")
+                failure = self._upstream.failure
+                if failure is not None and self.state not in (State.STOPPING, State.STOPPED):
+                    # The root's failure is the tree's: said to our workers, and raised.
+                    await self._fail(f"the root ended the run with an error: {failure}")
+                else:
+                    self.request_stop("the root stopped")
                 return
             await asyncio.sleep(self._upstream.heartbeat_s)
 
@@ -178,4 +183,8 @@ class Relay(Coordinator):
             link.load_latest()  # into self.flat.weights: what the next publish sends
             self.phase = Phase.COMPUTING
         except Stopped:
-            await self._stop("the root stopped")
+            failure = link.failure
+            if failure is not None:  # (as _fail, which waits for the step lock we hold)
+                self._failure = f"the root ended the run with an error: {failure}"
+                log.info("failing: %s", self._failure)
+            await self._stop(self._failure or "the root stopped")

@@ -241,7 +241,7 @@ class Worker:
         our data shard stays ours; any, if another worker has it now), the other shards
         are asked for that rank. Returns the first shard's Welcome."""
         self._sharing = False
-        self._leave_set(keep=False)  # (the Welcome's weights are loaded whole)
+        self._off_set()  # (what it computed on stays the model's if no Welcome comes)
         self._bind(self._own)  # the Welcome's weights are loaded in place: see nodes.handover
         first, *others = self.links
         # A rank asked for by the user is theirs to fix if taken; a rank we had before, not.

@@ -176,7 +176,9 @@ async def _relay(
         if not failure.done() and code != -signal.SIGTERM:
             failure.set_result(f"worker {rank} was killed by {name}")
         return
-    if code != 0 and not failure.done():
+    if code != 0 and not failure.done() and not any(c.failed for c in coordinators):
+        # (A worker that fails because the run failed says so; the coordinator's own
+        # error is the one to report, and run() raises it.)
         why = last_error or (tail[-1] if tail else "no message")
         failure.set_result(f"worker {rank} failed (exit status {code}): {why}")
 

@@ -51,7 +51,7 @@ def test_colocated_gives_the_figures_of_a_central_coordinator(tmp_path: Path) ->
     assert pushed == [(pushed[0][0], 0), (pushed[1][0], pushed[1][0])] and pushed[1][0] >= 40
     assert all(w["by_reference"] == w["pushes"] > 0 for w in central["per_worker"].values())
     assert all(w["by_reference"] == 0 for run in as_bytes for w in run["per_worker"].values())
-    assert set(Path("/dev/shm").glob("tensorbus-*")) == segments
+    assert set(Path("/dev/shm").glob("tensorbus-*")) <= segments  # (older ones may go)
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert lines[-1]["event"] == "summary" and lines[-1]["accuracy"] == central["accuracy"]
     assert _left_running(CHILD) == []

@@ -130,7 +130,9 @@ def test_async_pushes_by_reference_and_learns_as_with_bytes(tmp_path: Path) -> N
         assert sum(w["pushes"] for w in summary["per_worker"].values()) >= 150, name
     assert all(w["by_reference"] == w["pushes"] > 0 for w in runs["by reference"]["per_worker"].values())
     assert all(w["by_reference"] == 0 for w in runs["bytes"]["per_worker"].values())
-    assert _segments_of_others() == segments
+    # None left of these runs; segments of processes before them may go meanwhile (their
+    # resource tracker unlinks them once it sees them gone).
+    assert _segments_of_others() <= segments
     assert _left_running(str(spec)) == []
 
 

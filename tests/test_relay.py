@@ -16,7 +16,14 @@ from cluster import free_ports
 from equivalence import BATCH, digits, initial, max_difference, sgd
 
 from bus.errors import RejectedError
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from nodes import (
+    Coordinator,
+    CoordinatorConfig,
+    RunFailedError,
+    TrainingError,
+    Worker,
+    WorkerConfig,
+)
 from nodes.relay import Relay
 from strategies import Async, PeriodicAveraging, Strategy, Sync
 
@@ -86,6 +93,34 @@ def test_relays_under_an_async_root_train() -> None:
 def test_a_relay_that_pushes_gradients_under_an_averaging_root_is_refused() -> None:
     with pytest.raises(RejectedError, match="give the relay sync under a sync"):
         _tree(PeriodicAveraging(workers=1, average_every=2), Sync, steps=2, relays=1)
+
+
+def test_a_root_that_fails_fails_its_relays_and_their_workers() -> None:
+    """The root's failure reaches the whole tree: each relay fails with it and tells its
+    workers, which fail too (no node of a failed run ends as if it had ended well)."""
+    async def train() -> list[object]:
+        root = Coordinator(model=initial(), strategy=Sync(workers=2), optimizer=sgd,
+                           config=CoordinatorConfig(batch_size=BATCH, steps=100_000))
+        upstream = root.bind()
+        tree = [Relay(model=digits.model(), strategy=Sync(workers=1),
+                      config=CoordinatorConfig(steps=1), upstream=upstream) for _ in range(2)]
+        workers = [_worker(relay.bind()) for relay in tree]
+        running = [asyncio.create_task(node.run()) for node in (root, *tree, *workers)]
+        while root.version < 3:
+            await asyncio.sleep(0.02)
+        await root._fail("a failure made by the test")
+        return await asyncio.gather(*running, return_exceptions=True)
+
+    root, *rest = asyncio.run(train())
+    relays, workers = rest[:2], rest[2:]
+    assert isinstance(root, TrainingError) and str(root) == "a failure made by the test"
+    for relay in relays:
+        assert isinstance(relay, TrainingError), relay
+        assert str(relay) == "the root ended the run with an error: a failure made by the test"
+    for worker in workers:
+        assert isinstance(worker, RunFailedError), worker
+        assert str(worker).endswith(" ended the run with an error: the root ended the run with "
+                                    "an error: a failure made by the test")
 
 
 # Processes -------------------------------------------------------------------------------
