@@ -1256,11 +1256,16 @@ class Coordinator:
         workers to stop (so that none waits to reconnect to a coordinator that is not coming
         back), let them leave, then `run` raises TrainingError with `why` (said once, by
         whoever catches it: the CLI's last line)."""
-        log.info("failing: %s", why)
-        self._failure = why
+        self._failing(why)
         async with self._step_lock:
             await self._checkpoint()
             await self._stop(why)
+
+    def _failing(self, why: str) -> None:
+        """The run fails, for `why`: the stop that follows says so (`_stop_answer`), and
+        run() raises it."""
+        log.info("failing: %s", why)
+        self._failure = why
 
     def _stop_answer(self, request: int) -> Stop:
         """What a request is answered with once stopping: a failure said, as broadcast

@@ -142,10 +142,10 @@ class Relay(Coordinator):
                 await self._fail(f"relay {self.rank}: {self._lost.result()}")
                 return
             if self._upstream.stopped:
-                failure = self._upstream.failure
+                failure = self._root_failure()
                 if failure is not None and self.state not in (State.STOPPING, State.STOPPED):
                     # The root's failure is the tree's: said to our workers, and raised.
-                    await self._fail(f"the root ended the run with an error: {failure}")
+                    await self._fail(failure)
                 else:
                     self.request_stop("the root stopped")
                 return
@@ -183,8 +183,12 @@ class Relay(Coordinator):
             link.load_latest()  # into self.flat.weights: what the next publish sends
             self.phase = Phase.COMPUTING
         except Stopped:
-            failure = link.failure
-            if failure is not None:  # (as _fail, which waits for the step lock we hold)
-                self._failure = f"the root ended the run with an error: {failure}"
-                log.info("failing: %s", self._failure)
-            await self._stop(self._failure or "the root stopped")
+            failure = self._root_failure()
+            if failure is not None:  # (not _fail: it waits for the step lock we hold)
+                self._failing(failure)
+            await self._stop(failure or "the root stopped")
+
+    def _root_failure(self) -> str | None:
+        """Why the root's run failed, if it said so as it stopped."""
+        failure = self._upstream.failure
+        return f"the root ended the run with an error: {failure}" if failure is not None else None

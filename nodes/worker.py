@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -567,7 +567,9 @@ class Worker:
             return
         taken = link.take_shared()
         if taken is not None:
-            tensors = tuple(t for t in taken.tensors if isinstance(t, torch.Tensor))
+            # By reference, each tensor is one view of the set (never in pieces).
+            assert all(isinstance(t, torch.Tensor) for t in taken.tensors)
+            tensors = cast(tuple[torch.Tensor, ...], tuple(taken.tensors))
             self.flat.rebind(tensors)
             link.rebind(tensors)
             self._on_set = _OnSet(taken, tensors[0], taken.generation)
