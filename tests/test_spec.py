@@ -109,3 +109,23 @@ def test_model_that_raises_or_returns_the_wrong_thing(tmp_path: Path) -> None:
                   "raises")
     with pytest.raises(SpecError, match=r"model\(\) raised RuntimeError: x"):
         load_spec(path).build_model()
+
+
+def test_the_digits_example_reads_what_load_digits_gives_without_importing_sklearn() -> None:
+    """examples/digits.py reads scikit-learn's bundled digits itself (importing
+    scikit-learn costs every process of a run about a second): the same arrays as
+    load_digits(), and scikit-learn is not imported."""
+    import hashlib
+    import subprocess
+
+    from sklearn.datasets import load_digits
+
+    probe = ("import hashlib, sys; from examples.digits import _digits; p, l = _digits(); "
+             "print(p.dtype, l.dtype, hashlib.sha256(p.tobytes() + l.tobytes()).hexdigest(), "
+             "'sklearn' in sys.modules)")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    digits = load_digits()
+    wanted = hashlib.sha256(digits.data.tobytes() + digits.target.tobytes()).hexdigest()
+    assert out == [str(digits.data.dtype), str(digits.target.dtype), wanted, "False"]
