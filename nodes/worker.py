@@ -146,13 +146,24 @@ class Worker:
         self._backoff = 0  # how many the last redo had copy (0: the last in place held)
         self.redone = 0
         self._again: tuple[torch.Tensor, torch.Tensor] | None = None  # the batch to redo
+        self._running: asyncio.Task[Any] | None = None  # the task in run(), for request_stop
+        self.stopped_by: str | None = None  # why request_stop ended the run, once it did
 
     @property
     def version(self) -> int:
         """The version of the weights in the model now (the oldest shard's, when sharded)."""
         return min(link.version for link in self.links)
 
+    def request_stop(self, why: str) -> None:
+        """Leave the run now (a signal: see run.signals): `run()` tells every coordinator
+        shard why, lets go of its shared memory and raises CancelledError. The coordinator
+        goes on without this worker, as for any worker that leaves."""
+        if self._running is not None and not self._running.done() and self.stopped_by is None:
+            self.stopped_by = why
+            self._running.cancel()
+
     async def run(self) -> WorkerReport:
+        self._running = asyncio.current_task()
         for link in self.links:
             link.open()
         try:
@@ -169,7 +180,7 @@ class Worker:
                     raise RunFailedError(f"the {link.peer} ended the run with an error: "
                                          f"{link.failure}")
         except asyncio.CancelledError:
-            await self._leave("interrupted", "")
+            await self._leave("interrupted", self.stopped_by or "")
             raise
         except Exception as e:
             await self._leave("error", str(e))

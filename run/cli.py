@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -36,7 +37,7 @@ from run.memory import keep_freed_memory
 from run.options import RunOptions, make_coordinator
 from run.pernode import launch_node
 from run.progress import ProgressLine
-from run.signals import stopping_on_signals
+from run.signals import die_of, stopping_on_signals
 from run.spec import SpecError, load_spec
 from run.status import StatusTable
 from strategies import STRATEGIES
@@ -169,8 +170,16 @@ def _worker(args: argparse.Namespace) -> int:
                           keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
     worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config,
                     optimizer=spec.optimizer)
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        report = runner.run(worker.run())
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            report = runner.run(stopping_on_signals(worker, worker.run(), signals=(signal.SIGTERM,)))
+    except asyncio.CancelledError:
+        if worker.stopped_by is None:
+            raise
+        # Left the run and let go of its shared memory: now die of the signal, as asked.
+        print(f"worker {worker.rank} left the run on {worker.stopped_by}", file=sys.stderr, flush=True)
+        die_of(signal.Signals[worker.stopped_by])
+        raise
     logging.getLogger("tensorbus.worker").info(
         "worker %d done: %d pushes, last loss %s, %d versions loaded by reference (%d torn), "
         "%d computes done again (their weights rewritten meanwhile)", report.rank,

@@ -3,11 +3,16 @@
 The first signal asks the coordinator to finish the update in flight, checkpoint, stop the
 workers and return its summary (the process then exits 0). A second signal is not caught:
 it interrupts at once, for a user who will not wait.
+
+SIGTERM on a worker: it leaves the run (its coordinator is told why and goes on without it),
+lets go of its shared memory, then dies of the signal (`die_of`), so that whoever started it
+sees what a kill shows. (Ctrl-C ends a worker gracefully already: asyncio cancels its run.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Sequence
 from typing import Protocol, TypeVar
@@ -23,11 +28,13 @@ class Stoppable(Protocol):
 
 
 async def stopping_on_signals(
-    coordinator: Stoppable | Sequence[Stoppable], work: Awaitable[T]
+    coordinator: Stoppable | Sequence[Stoppable], work: Awaitable[T],
+    signals: Sequence[signal.Signals] = SIGNALS,
 ) -> T:
-    """Await `work` (the coordinator's run, or a launch around it) with the signals routed
-    to `request_stop` of the coordinator (of every shard, when given several). Outside the
-    main thread signals cannot be caught, and the work runs as it is."""
+    """Await `work` (the coordinator's run, or a launch around it) with `signals` routed
+    to `request_stop` of the coordinator (of every shard, when given several; a worker
+    stops too: see `die_of`). Outside the main thread signals cannot be caught, and the
+    work runs as it is."""
     coordinators = list(coordinator) if isinstance(coordinator, Sequence) else [coordinator]
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
@@ -40,7 +47,7 @@ async def stopping_on_signals(
             c.request_stop(sig.name)
 
     try:
-        for sig in SIGNALS:
+        for sig in signals:
             loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
     except (RuntimeError, ValueError):  # not the main thread: leave signals alone
@@ -50,3 +57,10 @@ async def stopping_on_signals(
     finally:
         for s in installed:
             loop.remove_signal_handler(s)
+
+
+def die_of(sig: signal.Signals) -> None:
+    """End this process by `sig`, its default action, once a graceful stop is done: its
+    parent reads the exit status a kill by `sig` gives (a shell's 128 + signal number)."""
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)

@@ -59,6 +59,53 @@ def test_a_worker_killed_with_sigkill_is_removed_and_the_run_finishes(
         assert after and all(1 not in r["workers"] for r in after)
 
 
+def test_sigterm_on_a_worker_leaves_the_run_at_once(tmp_path: Path) -> None:
+    """SIGTERM one of two workers of a sync run: it tells the coordinator it leaves, which
+    goes on without it at once (not after --timeout of silence, and not as lost); then it
+    dies of the signal, as its starter expects, with nothing of its shared memory left."""
+    with cluster(tmp_path) as c:
+        c.start_coordinator("--workers", "2", "--steps", "100000", "--batch-size", "16")
+        for rank in range(2):
+            c.start_worker(rank, "--fault", "slow:20")
+        c.wait_for("version 5", lambda rs: _version(rs) >= 5)
+        pid = c.workers[1].pid
+        c.workers[1].send_signal(signal.SIGTERM)
+        assert c.workers[1].wait(timeout=15) == -signal.SIGTERM
+        records = c.wait_for("steps without it", lambda rs: len(
+            [r for r in _steps(rs) if r["workers"] == [0]]) >= 3)
+        both = [r["train_s"] for r in _steps(records) if r["workers"] == [0, 1]]
+        alone = [r["train_s"] for r in _steps(records) if r["workers"] == [0]]
+        assert alone[0] > both[-1] and alone[0] - both[-1] < TIMEOUT_S / 2
+        assert c.coordinator is not None
+        c.coordinator.send_signal(signal.SIGTERM)
+        summary, _ = c.finish()
+        assert summary["lost"] == []
+        assert c.workers[0].wait(timeout=15) == 0, c.logs()
+        log = (tmp_path / "worker-1.log").read_text()
+        assert "worker 1 left the run on SIGTERM" in log and "leaked" not in log, log
+        assert not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*"))
+
+
+def test_sigterm_on_a_worker_still_joining_leaves_no_shared_memory(tmp_path: Path) -> None:
+    """A worker that waits for its coordinator to appear, stopped with SIGTERM: it dies of
+    the signal without leaving its shared memory to multiprocessing's resource tracker
+    (which would warn of a leak)."""
+    with cluster(tmp_path) as c:
+        c.start_worker(0)  # nobody listens at its endpoint: it keeps asking to join
+        pid = c.workers[0].pid
+        deadline = time.monotonic() + TIMEOUT_S * 15
+        while not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*")):  # its probe: built
+            assert time.monotonic() < deadline and c.workers[0].poll() is None, c.logs()
+            time.sleep(0.05)
+        time.sleep(1.0)  # (its signal handler is set as its event loop starts, just after)
+        c.workers[0].send_signal(signal.SIGTERM)
+        assert c.workers[0].wait(timeout=15) == -signal.SIGTERM
+        time.sleep(0.5)  # the resource tracker, which would warn, ends as its pipe closes
+        log = (tmp_path / "worker-0.log").read_text()
+        assert "left the run on SIGTERM" in log and "leaked" not in log, log
+        assert not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*"))
+
+
 def test_a_silent_worker_is_removed_within_the_timeout_then_rejoins(tmp_path: Path) -> None:
     """SIGSTOP a worker of a sync run: versions stall for about the timeout, then go on
     without it. SIGCONT: it learns it was removed, joins again with its rank, and counts
