@@ -100,7 +100,7 @@ def _local(args: argparse.Namespace) -> int:
         summary = launch_local(
             args.spec, _run_options(args), on_step=progress, threads=args.threads,
             log_level=args.log_level, status=StatusTable(sys.stderr, every_s=args.status),
-            debug=args.debug, device=args.device,
+            debug=args.debug, device=args.device, fork=True,
         )
     finally:
         if progress:

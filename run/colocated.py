@@ -33,12 +33,13 @@ from bus.security import load_client_keys
 from bus.transport import new_event_loop
 from nodes.config import WorkerConfig
 from nodes.coordinator import Coordinator, Progress
+from run.children import Forks, die_with_parent
 from run.faults import parse_local, parse_worker
 from run.local import (
     ERROR_PREFIX,
     REAP_TIMEOUT_S,
     LocalRunError,
-    _die_with_parent,
+    Process,
     _reap,
     _relay,
 )
@@ -62,22 +63,21 @@ async def launch_colocated(
     status: StatusTable | None,
     debug: bool,
     devices: list[str],
+    forks: Forks | None = None,
 ) -> dict[str, Any]:
-    """Train with `options.workers` colocated workers, this process being worker 0."""
+    """Train with `options.workers` colocated workers, this process being worker 0; the
+    others forked from `forks` where given (run.children), else fresh interpreters."""
     spec = load_spec(spec_source)  # fail here, before any process starts
     node = make_colocated(spec, options, index=0, bind="tcp://127.0.0.1:0", on_step=on_step)
     endpoints = [node.bind()]
-    children: list[asyncio.subprocess.Process] = []
+    children: list[Process] = []
     relays: list[asyncio.Task[None]] = []
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     try:
         for rank in range(1, options.workers):
-            child = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "run.colocated",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, preexec_fn=_die_with_parent,
-                start_new_session=True,  # Ctrl-C reaches this process alone (see below)
-            )
+            # (Forked, it is named as a fresh one's command line names it.)
+            child = await (forks.start("run.colocated", "run.colocated", [], stdin=True,
+                                       stdout="pipe") if forks is not None else _spawn())
             children.append(child)
             relays.append(asyncio.create_task(_relay(rank, child, failure, [])))
             orders = {"spec": spec_source, "options": _to_json(options), "index": rank,
@@ -113,6 +113,16 @@ async def launch_colocated(
         await asyncio.gather(*relays, return_exceptions=True)
 
 
+async def _spawn() -> asyncio.subprocess.Process:
+    """`python -m run.colocated`, a fresh interpreter, as a worker of this launcher."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "run.colocated",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, preexec_fn=die_with_parent,
+        start_new_session=True,  # Ctrl-C reaches this process alone (see _Shards)
+    )
+
+
 def worker_config(options: RunOptions, *, rank: int, endpoints: list[str], device: str) -> WorkerConfig:
     """Worker `rank`'s configuration, as `local` gives its workers on their command line."""
     faults = parse_local(options.faults, options.workers).get(rank, [])
@@ -130,7 +140,7 @@ class _Shards:
     after this shard's is one that none has passed and every one can reach (the workers
     train on until some shard stops)."""
 
-    def __init__(self, own: Coordinator, children: list[asyncio.subprocess.Process]) -> None:
+    def __init__(self, own: Coordinator, children: list[Process]) -> None:
         self._own, self._children = own, children
 
     def request_stop(self, why: str) -> None:
@@ -146,12 +156,12 @@ def _fatal(why: str) -> str:
             "cannot go on without it)")
 
 
-def _write_line(child: asyncio.subprocess.Process, message: dict[str, Any]) -> None:
+def _write_line(child: Process, message: dict[str, Any]) -> None:
     assert child.stdin is not None
     child.stdin.write(json.dumps(message).encode() + b"\n")
 
 
-async def _endpoint(rank: int, child: asyncio.subprocess.Process, failure: asyncio.Future[str]) -> str:
+async def _endpoint(rank: int, child: Process, failure: asyncio.Future[str]) -> str:
     """The address worker `rank` bound its shard at (its first line on stdout)."""
     assert child.stdout is not None
     reading = asyncio.ensure_future(child.stdout.readline())

@@ -1,6 +1,7 @@
 """`launch_local`: a coordinator in this process and N worker processes on this machine.
 
-Workers are real processes (`python -m run worker ...`) talking to the coordinator over tcp
+Workers are real processes (`tensorbus worker ...`: forked from the launcher where that is
+safe, see run.children, else `python -m run worker ...`) talking to the coordinator over tcp
 loopback. Their stderr is relayed line by line with a `[worker R]` prefix. A worker that
 fails with an error (its SPEC raised, say) ends the whole run at once with its one-line
 error, since every worker would fail the same way; a worker killed by a signal (a crash,
@@ -11,12 +12,12 @@ this process (PR_SET_PDEATHSIG), so none outlives a launcher that is killed.
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import importlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 
 from bus.transport import new_event_loop
 from nodes.coordinator import Coordinator, Progress
+from run.children import Forked, Forks, can_fork, die_with_parent
 from run.device import resolve as resolve_device
 from run.faults import parse_local
 from run.options import RunOptions, make_coordinators, serve
@@ -32,6 +34,7 @@ from run.spec import load_spec
 from run.status import StatusTable
 
 log = logging.getLogger("tensorbus.local")
+Process = asyncio.subprocess.Process | Forked  # a worker: a fresh interpreter, or forked
 
 ERROR_PREFIX = "error: "  # how a worker's last word starts (see run.cli)
 REAP_TIMEOUT_S = 10.0
@@ -59,22 +62,43 @@ def launch_local(
     status: StatusTable | None = None,
     debug: bool = False,
     device: str = "cpu",
+    fork: bool = False,
 ) -> dict[str, Any]:
     """Train with a coordinator here and `options.workers` worker processes; return the summary.
     With `status`, the per-worker table is shown as it says (see `run.status`). `device`:
-    as `--device` (auto and cuda put worker R on GPU R mod the number of GPUs)."""
+    as `--device` (auto and cuda put worker R on GPU R mod the number of GPUs). With
+    `fork`, the workers are forked from this process where that is safe (run.children):
+    the CLI's, whose process is its own; a caller of this function may hold threads or
+    state a fork would copy, so it gets fresh interpreters unless it asks."""
     count = torch.cuda.device_count()
     devices = [resolve_device(device, rank % max(count, 1)) for rank in range(options.workers)]
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        if options.colocate:
-            from run.colocated import launch_colocated  # it builds on this module
+    # With --colocate this process is worker 0: the others are processes.
+    forks = _forks(options.workers - (1 if options.colocate else 0), devices) if fork else None
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            if options.colocate:
+                from run.colocated import launch_colocated  # it builds on this module
 
-            per_worker = threads_per_worker(threads, options.workers)
-            torch.set_num_threads(per_worker)  # this process is worker 0
-            return runner.run(launch_colocated(str(spec), options, on_step, per_worker,
-                                               log_level, status, debug, devices))
-        return runner.run(_launch(str(spec), options, on_step, threads, log_level, status,
-                                  debug, devices))
+                per_worker = threads_per_worker(threads, options.workers)
+                torch.set_num_threads(per_worker)  # this process is worker 0
+                return runner.run(launch_colocated(str(spec), options, on_step, per_worker,
+                                                   log_level, status, debug, devices, forks))
+            return runner.run(_launch(str(spec), options, on_step, threads, log_level, status,
+                                      debug, devices, forks))
+    finally:
+        if forks is not None:
+            forks.close()
+
+
+def _forks(count: int, devices: list[str]) -> Forks | None:
+    """`count` children forked now (run.children), if that is safe here."""
+    if not can_fork(devices):
+        return None
+    # Every run builds torch optimizers (the coordinator's or its shards', or each of
+    # average's workers'), and the first one in a process imports torch._dynamo: 1 s of
+    # CPU. Here, once, before the children are forked.
+    importlib.import_module("torch._dynamo")
+    return Forks(count)
 
 
 async def _launch(
@@ -86,12 +110,13 @@ async def _launch(
     status: StatusTable | None,
     debug: bool,
     devices: list[str],
+    forks: Forks | None,
 ) -> dict[str, Any]:
     spec = load_spec(spec_source)  # fail here, before any process starts
     coordinators = make_coordinators(spec, options, bind="tcp://127.0.0.1:0", on_step=on_step)
     endpoint = ",".join(c.bind() for c in coordinators)  # every shard's, in order
     per_worker = threads_per_worker(threads, options.workers)
-    workers: list[asyncio.subprocess.Process] = []
+    workers: list[Process] = []
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     relays = []
     faults = parse_local(options.faults, options.workers)
@@ -104,21 +129,12 @@ async def _launch(
                 extra.append("--debug")
             if not options.shared_memory:
                 extra.append("--no-shared-memory")
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "run", "worker", spec_source, "--connect", endpoint,
-                "--rank", str(rank), "--threads", str(per_worker), "--log-level", log_level,
-                "--device", devices[rank],
-                *extra,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-                preexec_fn=_die_with_parent,
-                # Its own session: Ctrl-C in the terminal reaches the launcher alone, which
-                # stops the workers gracefully through the coordinator.
-                start_new_session=True,
-            )
-            workers.append(process)
-            relays.append(asyncio.create_task(_relay(rank, process, failure, coordinators)))
+            argv = ["worker", spec_source, "--connect", endpoint, "--rank", str(rank),
+                    "--threads", str(per_worker), "--log-level", log_level,
+                    "--device", devices[rank], *extra]
+            workers.append(await forks.start(f"tb worker {rank}", "run", argv)
+                           if forks is not None else await _spawn(argv))
+            relays.append(asyncio.create_task(_relay(rank, workers[-1], failure, coordinators)))
         run = serve(coordinators)
         if status is not None:  # the first shard's view: every shard sees the same workers
             run = status.around(coordinators[0], run)
@@ -149,8 +165,22 @@ async def _launch(
         await asyncio.gather(*relays, return_exceptions=True)
 
 
+async def _spawn(argv: list[str]) -> asyncio.subprocess.Process:
+    """`python -m run ARGV`, a fresh interpreter, as a worker of this launcher."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "run", *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        preexec_fn=die_with_parent,
+        # Its own session: Ctrl-C in the terminal reaches the launcher alone, which
+        # stops the workers gracefully through the coordinator.
+        start_new_session=True,
+    )
+
+
 async def _relay(
-    rank: int, process: asyncio.subprocess.Process, failure: asyncio.Future[str],
+    rank: int, process: Process, failure: asyncio.Future[str],
     coordinators: list[Coordinator],
 ) -> None:
     """Copy a worker's stderr to ours; if it fails, report its last word; if it is killed,
@@ -183,7 +213,7 @@ async def _relay(
         failure.set_result(f"worker {rank} failed (exit status {code}): {why}")
 
 
-async def _reap(processes: list[asyncio.subprocess.Process], *, timeout: float) -> None:
+async def _reap(processes: Sequence[Process], *, timeout: float) -> None:
     """Wait up to `timeout` for processes to exit, then terminate, then kill what is left."""
     alive = [p for p in processes if p.returncode is None]
     if alive and timeout > 0:
@@ -198,9 +228,3 @@ async def _reap(processes: list[asyncio.subprocess.Process], *, timeout: float) 
             except ProcessLookupError:
                 pass
         await asyncio.wait([asyncio.create_task(p.wait()) for p in alive], timeout=3.0)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask the kernel for SIGTERM when the launcher dies."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

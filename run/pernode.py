@@ -17,12 +17,12 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from bus.transport import new_event_loop
+from run.children import die_with_parent
 from run.cluster import child_environment
 from run.device import resolve as resolve_device
 from run.local import (
     ERROR_PREFIX,
     LocalRunError,
-    _die_with_parent,
     _reap,
     threads_per_worker,
 )
@@ -77,7 +77,7 @@ async def _launch(commands: list[tuple[int, list[str], dict[str, str]]]) -> list
                 *command, env=env,
                 stdin=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,  # stdout is ours: what a SPEC prints shows
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             processes.append(process)
             relays.append(asyncio.create_task(_relay(rank, process)))

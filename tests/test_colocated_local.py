@@ -17,13 +17,22 @@ import time
 from pathlib import Path
 
 import pytest
-from test_local import DIGITS, FAST, ROOT, TENSORBUS, _left_running, _run, _spec
+from test_local import (
+    DIGITS,
+    FAST,
+    ROOT,
+    TENSORBUS,
+    _left_running,
+    _run,
+    _spec,
+    _wait_for_a_step,
+)
 
 from run.options import RunOptions
 
 pytestmark = pytest.mark.timeout(180)
 
-CHILD = "run.colocated"  # what a colocated worker process's command line names
+CHILD = "run.colocated"  # a colocated worker process's command line, or name if forked
 
 
 def _summary(done: subprocess.CompletedProcess[str]) -> dict:
@@ -110,13 +119,6 @@ def test_sigterm_checkpoints_every_shard_and_resume_goes_on(tmp_path: Path) -> N
                              "--steps", str(stopped["steps"] + 5)]))
     assert resumed["resumed_from"] == stopped["steps"] and resumed["steps"] == stopped["steps"] + 5
     assert _left_running(CHILD) == []
-
-
-def _wait_for_a_step(metrics: Path) -> None:
-    deadline = time.monotonic() + 90
-    while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
-        assert time.monotonic() < deadline, "no step was taken"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize(("extra", "says"), [

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,15 +33,26 @@ def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[s
 
 
 def _left_running(marker: str) -> list[str]:
+    """The processes whose command line holds `marker`, or whose name (comm) is `marker`:
+    a worker forked from its launcher (run.children) keeps the launcher's command line
+    and is named by it."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if marker in cmdline and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmdline}")
+        if (marker in cmdline or marker == name) and int(pid) != os.getpid():
+            found.append(f"{pid}: {name}: {cmdline}")
     return found
+
+
+def _wait_for_a_step(metrics: Path) -> None:
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
+        assert time.monotonic() < deadline, "no step was taken"
+        time.sleep(0.2)
 
 
 def _spec(tmp_path: Path, name: str, text: str | None = None) -> Path:
@@ -74,6 +86,40 @@ def test_local_trains_and_writes_the_summary(tmp_path: Path) -> None:
     assert (summary["strategy"], summary["workers"], summary["steps"]) == ("sync", 3, 40)
     assert [r["version"] for r in lines if r["event"] == "step"] == list(range(1, 41))
     assert summary["accuracy"] > 0.5  # 40 steps of 48 samples learn digits well past chance
+    assert _left_running(str(spec)) == []
+
+
+def test_local_forks_its_workers(tmp_path: Path) -> None:
+    """`local`'s workers are forked from it (run.children), not fresh interpreters: its
+    children, named for their ranks; SIGTERM stops them all with it."""
+    spec, metrics = _spec(tmp_path, "digits_forked"), tmp_path / "m.jsonl"
+    launcher = subprocess.Popen(
+        [*TENSORBUS, "local", str(spec), "--workers", "2", "--steps", "100000", *FAST,
+         "--metrics", str(metrics)],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_a_step(metrics)
+        children = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1:].rsplit(")", 1)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            # (Beside them, multiprocessing's resource tracker of the coordinator's
+            # shared memory: a fresh interpreter.)
+            if int(rest.split()[1]) == launcher.pid and b"resource_tracker" not in b" ".join(cmdline):
+                children[name] = cmdline
+        assert set(children) == {"tb worker 0", "tb worker 1"}, children
+        assert all(b"local" in cmdline for cmdline in children.values())  # the launcher's
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 0, err
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
     assert _left_running(str(spec)) == []
 
 

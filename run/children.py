@@ -1,0 +1,301 @@
+"""The worker processes a launcher starts: forked from it where that is safe, fresh
+interpreters otherwise; each dies with its launcher.
+
+A fresh `python -m run worker` imports torch and the rest of tensorbus again: about 1.6 s of
+CPU each, most of a short run's start on a small machine (`local --workers 4` on 2 cores
+took 7 s to make its first version, 1 s of it training). `Forks` forks the workers from the
+launcher as it starts instead, while nothing of the run is made yet (no event loop, no
+ZeroMQ context, no SPEC loaded, no other Python thread), and each child waits on a pipe for
+its orders. Told them, a child becomes what a fresh `python -m MODULE ARGV` would be, with
+the imports already done:
+
+- its own session (unless told otherwise), so that Ctrl-C in the terminal reaches the
+  launcher alone;
+- stdin the rest of its orders pipe (at its end at once, unless the launcher keeps writing:
+  `Forked.stdin`); stdout on /dev/null, a pipe (`Forked.stdout`) or the launcher's; stderr
+  a pipe (`Forked.stderr`); none of the launcher's other files;
+- the environment it is given; Python's own signal handlers; logging not set up; numpy's
+  global random state drawn afresh (Python's `random` is by `os.fork` itself);
+- it runs MODULE as `python -m` does, then exits as an interpreter does: atexit handlers
+  (which let go of its shared memory), then its exit status.
+
+A child never told (the SPEC failed to load, say) exits 0 as its pipe closes, and
+`Forks.close` reaps it. What stays shared with the launcher is what it had imported, copy
+on write; it must not have drawn from torch's random generator yet (it has built nothing),
+so that a child's starts where a fresh process's does.
+
+Where forking is not safe, launchers start fresh interpreters as before (`can_fork`): other
+than Linux with pidfds (5.3), GPU devices (a child must not inherit CUDA's state), or a
+process with threads of its own. Only the CLI forks: a caller of the Python API may hold
+anything in its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import ctypes
+import json
+import logging
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, NoReturn
+
+REAP_S = 5.0  # how long an untold child may take to exit once its pipe closes, then SIGKILL
+Stdout = Literal["null", "pipe", "inherit"]
+
+
+def die_with_parent() -> None:
+    """In a child: ask the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG)."""
+    _prctl(1, signal.SIGTERM)
+
+
+def _prctl(option: int, argument: int | bytes) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(option, argument)
+
+
+def can_fork(devices: list[str]) -> bool:
+    """Whether workers on `devices` can be forked from this process now."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
+        return False
+    if any(d != "cpu" for d in devices) or threading.active_count() > 1:
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:  # a kernel older than 5.3
+        return False
+    return True
+
+
+@dataclass
+class _Child:
+    """A forked child, not told yet: its pid, a pidfd, and the launcher's ends of its pipes."""
+
+    pid: int
+    pidfd: int
+    orders: int  # its orders, then its stdin (write end)
+    stdout: int  # (read ends)
+    stderr: int
+
+    def fds(self) -> tuple[int, ...]:
+        return self.pidfd, self.orders, self.stdout, self.stderr
+
+
+class Forks:
+    """`count` children forked now, each waiting to be told what to run (`start`)."""
+
+    def __init__(self, count: int) -> None:
+        sys.stdout.flush()  # (or a child would write again what the launcher had buffered)
+        sys.stderr.flush()
+        self._waiting: list[_Child] = []
+        try:
+            for _ in range(count):
+                self._waiting.append(self._fork())
+        except BaseException:
+            self.close()
+            raise
+
+    def _fork(self) -> _Child:
+        parent = os.getpid()
+        pipes = [os.pipe() for _ in range(3)]  # (read, write) each: orders, stdout, stderr
+        pid = os.fork()
+        if pid == 0:  # (never returns)
+            theirs = [fd for child in self._waiting for fd in child.fds()]
+            mine = (pipes[0][0], pipes[1][1], pipes[2][1])
+            _child(parent, mine, [*theirs, pipes[0][1], pipes[1][0], pipes[2][0]])
+        for fd in (pipes[0][0], pipes[1][1], pipes[2][1]):
+            os.close(fd)
+        return _Child(pid, os.pidfd_open(pid), pipes[0][1], pipes[1][0], pipes[2][0])
+
+    async def start(self, name: str, module: str, argv: list[str], *,
+                    env: Mapping[str, str] | None = None, stdin: bool = False,
+                    stdout: Stdout = "null", session: bool = True) -> Forked:
+        """The next child, told to run `python -m MODULE ARGV`: with `env` (else this
+        process's environment), writing to stdin (`Forked.stdin`) if `stdin`, else its
+        stdin at its end, in a session of its own if `session`. Its command line stays
+        its launcher's; `name` (15 bytes at most) is what `ps -o comm` and `top` show."""
+        child = self._waiting.pop(0)
+        orders = {"name": name, "module": module, "argv": argv,
+                  "env": dict(env) if env is not None else None, "stdout": stdout,
+                  "session": session}
+        try:
+            # One line, in the pipe at once (it holds 64 KiB; the child reads while we write).
+            _write_all(child.orders, json.dumps(orders).encode() + b"\n")
+        except BaseException:
+            os.close(child.orders)
+            raise
+        if not stdin:
+            os.close(child.orders)
+        if stdout != "pipe":
+            os.close(child.stdout)
+        return await Forked.watch(child, stdin=stdin, stdout=stdout == "pipe")
+
+    def close(self) -> None:
+        """End the children never told: each exits as its pipe closes, and is reaped here
+        (killed if it has not exited within REAP_S)."""
+        waiting, self._waiting = self._waiting, []
+        for child in waiting:
+            for fd in (child.orders, child.stdout, child.stderr):
+                os.close(fd)
+        deadline = time.monotonic() + REAP_S
+        for child in waiting:
+            while os.waitpid(child.pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(child.pid, signal.SIGKILL)
+                    os.waitpid(child.pid, 0)
+                    break
+                time.sleep(0.005)
+            os.close(child.pidfd)
+
+
+class Forked:
+    """A started child: the part of asyncio.subprocess.Process that the launchers use
+    (pid, stdin, stdout, stderr, returncode, wait, send_signal). Its exit is seen through
+    its pidfd."""
+
+    def __init__(self, child: _Child, stdin: _Lines | None, stdout: asyncio.StreamReader | None,
+                 stderr: asyncio.StreamReader) -> None:
+        self.pid = child.pid
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.returncode: int | None = None
+        self._pidfd = child.pidfd
+        self._loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = self._loop.create_future()
+        self._loop.add_reader(self._pidfd, self._reap)
+
+    @classmethod
+    async def watch(cls, child: _Child, *, stdin: bool, stdout: bool) -> Forked:
+        return cls(child, _Lines(child.orders) if stdin else None,
+                   await _reader(child.stdout) if stdout else None, await _reader(child.stderr))
+
+    def _reap(self) -> None:
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid == 0:
+            return  # (not yet: a pidfd is readable only once its process ended)
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        if self.stdin is not None:
+            self.stdin.close()
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._exited.set_result(self.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is not None:  # reaped: its pid may be another process's now
+            raise ProcessLookupError(self.pid)
+        signal.pidfd_send_signal(self._pidfd, sig)
+
+
+class _Lines:
+    """A child's stdin, for the few short lines a launcher writes (run.colocated's orders):
+    each written whole at once, without waiting on the loop; none once the child is gone,
+    as asyncio's pipes drop them."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def write(self, data: bytes) -> None:
+        if self._fd is None:
+            return
+        try:
+            _write_all(self._fd, data)
+        except BrokenPipeError:
+            self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+async def _reader(fd: int) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+    return reader
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _child(parent: int, mine: tuple[int, int, int], theirs: list[int]) -> NoReturn:
+    """A forked child's whole life: wait for its orders, run them, exit."""
+    orders, stdout, stderr = mine
+    code = 1
+    try:
+        # Ctrl-C in the terminal reaches the launcher's whole process group, this child
+        # too until it is told (and takes a session of its own): the launcher ends it then.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        die_with_parent()
+        if os.getppid() != parent:  # the launcher died before the line above
+            os._exit(1)
+        for fd in theirs:  # (a child holding another's pipe would hide that one's exit)
+            os.close(fd)
+        line = _read_line(orders)
+        if not line:
+            os._exit(0)  # never told: the launcher gave up before starting it
+        told = json.loads(line)
+        _prctl(15, told["name"].encode()[:15])  # PR_SET_NAME: this thread's, the process's
+        if told["session"]:
+            os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(orders, 0)  # the rest of the pipe: what the launcher writes after the orders
+        if told["stdout"] != "inherit":
+            os.dup2(stdout if told["stdout"] == "pipe" else null, 1)
+        os.dup2(stderr, 2)
+        for fd in (null, orders, stdout, stderr):
+            os.close(fd)
+        if told["env"] is not None:
+            os.environ.clear()
+            os.environ.update(told["env"])
+        _as_if_fresh()
+        sys.argv = [told["module"], *told["argv"]]
+        runpy.run_module(told["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:  # as the interpreter takes it: a status, or a message and 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - whatever it is, this process must end here
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()  # as an interpreter's exit does: shared memory let go of
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _read_line(fd: int) -> bytes:
+    """One line from `fd`, read a byte at a time: what follows it is the child's stdin."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            return b""  # closed before a whole line: never told
+        line += byte
+    return bytes(line)
+
+
+def _as_if_fresh() -> None:
+    """Undo what the launcher set up in this process that a fresh interpreter lacks."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for handler in list(logging.root.handlers):  # (run.cli sets logging up for its command)
+        logging.root.removeHandler(handler)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # from the OS's entropy, as a fresh import seeds it

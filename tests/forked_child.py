@@ -1,0 +1,52 @@
+"""What the children of tests/test_children.py run: `python -m forked_child WHAT [ARG]`,
+forked from a launcher by run.children.Forks.
+
+- exit N: exits with status N;
+- fail: raises SystemExit with a message (status 1, the message on stderr);
+- report: writes what it finds of itself to stderr as one JSON line;
+- echo: copies each stdin line to stdout, upper-cased, until stdin ends;
+- sleep S: sleeps S seconds, then exits 0;
+- atexit: registers an atexit handler that writes to stderr, then exits 0.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+what = sys.argv[1]
+if what == "exit":
+    sys.exit(int(sys.argv[2]))
+elif what == "fail":
+    raise SystemExit("told to fail")
+elif what == "report":
+    print(json.dumps({
+        "pid": os.getpid(),
+        "sid": os.getsid(0),
+        "ppid": os.getppid(),
+        "env": dict(os.environ),
+        "name": Path("/proc/self/comm").read_text().strip(),
+        "random": float(np.random.random()),
+        "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+        "stdin": sys.stdin.read(),
+        "stdout": os.readlink("/proc/self/fd/1"),
+        "argv": sys.argv,
+    }), file=sys.stderr, flush=True)
+elif what == "echo":
+    for line in sys.stdin:
+        print(line.strip().upper(), flush=True)
+elif what == "sleep":
+    time.sleep(float(sys.argv[2]))
+elif what == "atexit":
+    atexit.register(lambda: print("atexit ran", file=sys.stderr, flush=True))
+else:
+    sys.exit(f"forked_child: unknown {what!r}")

@@ -1,0 +1,219 @@
+"""Multi-process: workers forked from their launcher (run.children).
+
+Each test runs a small launcher in a fresh interpreter (forking pytest's own process, with
+whatever earlier tests left in it, would test something else) that forks children with
+`Forks`, starts them on `tests/forked_child.py` and prints what it saw as JSON.
+`tests/test_local.py` and `tests/test_colocated_local.py` check the same through
+`tensorbus local`, whose workers are forked this way, against workers started by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+PREAMBLE = """\
+import asyncio, json, os, signal, sys, time
+from run.children import Forks, can_fork
+"""
+
+
+def _launcher(code: str, **popen: Any) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "TB_TEST": "1"}
+    return subprocess.Popen([sys.executable, "-c", PREAMBLE + textwrap.dedent(code)], cwd=ROOT,
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _probe(code: str) -> Any:
+    """Run a launcher whose code prints one JSON value last; that value."""
+    launcher = _launcher(code)
+    try:
+        out, err = launcher.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.communicate()
+        raise
+    assert launcher.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_exit_statuses_come_back_as_a_fresh_processes_would() -> None:
+    seen = _probe("""
+        forks = Forks(5)
+        async def main():
+            started = [await forks.start(f"child {i}", "forked_child", argv) for i, argv in
+                       enumerate([["exit", "0"], ["exit", "3"], ["fail"], ["sleep", "30"],
+                                   ["atexit"]])]
+            started[3].send_signal(signal.SIGKILL)
+            codes = [await p.wait() for p in started]
+            errs = [(await p.stderr.read()).decode() for p in started]
+            try:
+                started[0].send_signal(signal.SIGTERM)
+                again = "sent"
+            except ProcessLookupError:
+                again = "ProcessLookupError"
+            return codes, errs, again
+        print(json.dumps(asyncio.run(main())))
+        forks.close()
+    """)
+    codes, errs, again = seen
+    assert codes == [0, 3, 1, -signal.SIGKILL, 0]
+    assert "told to fail" in errs[2]
+    assert errs[4] == "atexit ran\n"  # (its atexit handlers run at its exit)
+    assert again == "ProcessLookupError"  # (reaped: its pid may be another's by now)
+
+
+def test_a_child_is_what_a_fresh_interpreter_would_be() -> None:
+    reports = _probe("""
+        import numpy as np
+        np.random.seed(1)  # (both children would draw the same, were it kept)
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        forks = Forks(3)
+        async def main():
+            await (await forks.start("first", "forked_child", ["exit", "0"])).wait()
+            a = await forks.start("tb worker 0", "forked_child", ["report"])
+            b = await forks.start("tb worker 1", "forked_child", ["report"], env={"ONLY": "this"},
+                                  session=False, stdout="inherit")
+            out = []
+            for p in (a, b):
+                assert await p.wait() == 0
+                out.append(json.loads(await p.stderr.readline()))
+            return {"launcher": {"pid": os.getpid(), "sid": os.getsid(0)}, "children": out}
+        print(json.dumps(asyncio.run(main())))
+        forks.close()
+    """)
+    launcher, (a, b) = reports["launcher"], reports["children"]
+    assert a["ppid"] == b["ppid"] == launcher["pid"]
+    assert a["sid"] == a["pid"] and b["sid"] == launcher["sid"]  # a session of its own, or not
+    assert a["name"] == "tb worker 0" and b["name"] == "tb worker 1"
+    assert a["env"]["TB_TEST"] == "1" and b["env"] == {"ONLY": "this"}
+    assert a["random"] != b["random"]
+    assert a["sigint_default"] and a["sigterm_default"]
+    assert a["stdin"] == "" and a["stdout"] == "/dev/null"
+    assert b["stdout"].startswith("pipe:")  # the launcher's own stdout
+    assert a["argv"][1:] == ["report"]
+    # Its stdio and the descriptor its listing opened: nothing of the launcher's, nor of
+    # the child forked before it.
+    assert len(set(a["fds"]) - {0, 1, 2}) <= 1, a["fds"]
+
+
+def test_stdin_and_stdout_pipes() -> None:
+    lines = _probe("""
+        forks = Forks(1)
+        async def main():
+            child = await forks.start("echo", "forked_child", ["echo"], stdin=True, stdout="pipe")
+            got = []
+            for word in ("one", "two"):
+                child.stdin.write(word.encode() + b"\\n")
+                got.append((await child.stdout.readline()).decode().strip())
+            child.stdin.close()
+            assert await child.wait() == 0
+            child.stdin.write(b"dropped: the child is gone\\n")
+            return got
+        print(json.dumps(asyncio.run(main())))
+        forks.close()
+    """)
+    assert lines == ["ONE", "TWO"]
+
+
+def test_no_child_holds_anothers_pipes() -> None:
+    """A child forked after another holds none of the launcher's ends of that one's pipes:
+    the first sees its stdin end when the launcher closes it, while the second lives."""
+    seen = _probe("""
+        forks = Forks(3)
+        async def main():
+            first = await forks.start("first", "forked_child", ["echo"], stdin=True,
+                                      stdout="pipe")
+            second = await forks.start("second", "forked_child", ["sleep", "30"])
+            first.stdin.write(b"last\\n")
+            first.stdin.close()
+            code = await asyncio.wait_for(first.wait(), 10)
+            out = await asyncio.wait_for(first.stdout.read(), 10)
+            alive = second.returncode is None
+            second.send_signal(signal.SIGTERM)
+            return out.decode(), code, alive, await second.wait()
+        print(json.dumps(asyncio.run(main())))
+        forks.close()
+    """)
+    assert seen == ["LAST\n", 0, True, -signal.SIGTERM]
+
+
+def test_children_never_told_exit_and_are_reaped() -> None:
+    seen = _probe("""
+        forks = Forks(3)
+        pids = [c.pid for c in forks._waiting]
+        started = time.monotonic()
+        forks.close()
+        took = time.monotonic() - started
+        gone = []
+        for pid in pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+                gone.append(False)
+            except ChildProcessError:  # reaped already: not our child any more
+                gone.append(True)
+        print(json.dumps([took, gone]))
+    """)
+    took, gone = seen
+    assert gone == [True, True, True] and took < 2.0
+
+
+def test_children_die_with_their_launcher() -> None:
+    """SIGKILL the launcher: a started child and one never told both end (PR_SET_PDEATHSIG)."""
+    launcher = _launcher("""
+        forks = Forks(2)
+        async def main():
+            child = await forks.start("sleeper", "forked_child", ["sleep", "60"])
+            print(json.dumps([child.pid, forks._waiting[0].pid]), flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+    """)
+    try:
+        assert launcher.stdout is not None
+        pids = json.loads(launcher.stdout.readline())
+        assert all(_alive(pid) for pid in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, [pid for pid in pids if _alive(pid)]
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+
+
+def test_forking_only_where_it_is_safe() -> None:
+    seen = _probe("""
+        import threading
+        first = [can_fork(["cpu", "cpu"]), can_fork(["cpu", "cuda:0"])]
+        stop = threading.Event()
+        thread = threading.Thread(target=stop.wait)
+        thread.start()
+        with_a_thread = can_fork(["cpu"])
+        stop.set()
+        thread.join()
+        print(json.dumps([*first, with_a_thread]))
+    """)
+    assert seen == [True, False, False]
