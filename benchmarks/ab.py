@@ -12,12 +12,16 @@ The cases, on `benchmarks/mlp.py`, 2 workers, one torch thread a process:
 - only with `--only ssp`: ssp at staleness 0 and 2, batch 1, 1M: updates per second (a
   run that dropped an update fails);
 - only with `--only bf16`: async (updates per second) and colocated sync (ms per version)
-  with `--compress bf16`.
+  with `--compress bf16`;
+- only with `--only start`: seconds from starting `tensorbus local` (4 workers, one version,
+  batch 64, 1M) to its exit, with one coordinator and with `--colocate`: what a user waits
+  for when the training itself is short.
 
     python benchmarks/ab.py REV [--rounds 3]      # about 90 s a round
     python benchmarks/ab.py REV --rounds 8 --only "sync colocated, 10M"   # 40 s a round
     python benchmarks/ab.py REV --rounds 4 --only ssp     # 70 s a round
     python benchmarks/ab.py REV --rounds 3 --only bf16    # 90 s a round
+    python benchmarks/ab.py REV --rounds 5 --only start   # 30 s a round
 
 Writes benchmarks/results/ab-REV.md and .json (with --only, ab-REV-CASE.md and .json).
 """
@@ -65,8 +69,13 @@ CASES: dict[str, tuple[Callable[[Path], float], str]] = {
     "bf16: sync colocated, 10M": (
         lambda tree: 1000 * steps.tensorbus_sync("10M", 60, compress="bf16", colocate=True,
                                                  tree=tree), "ms/version"),
+    # (only when asked: --only start)
+    "start: local, 4 workers, 1 version, 1M": (
+        lambda tree: steps.local_wall_s("1M", 4, tree=tree), "s"),
+    "start: local --colocate, 4 workers, 1 version, 1M": (
+        lambda tree: steps.local_wall_s("1M", 4, "--colocate", tree=tree), "s"),
 }
-OPT_IN = ("ssp", "bf16")  # cases run only when --only names them
+OPT_IN = ("ssp", "bf16", "start")  # cases run only when --only names them
 
 
 def main() -> None:

@@ -139,6 +139,14 @@ def _tensorbus(params: str, workers: int, strategy: str, steps: int, *extra: str
         return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+def local_wall_s(params: str, workers: int, *extra: str, tree: Path = ROOT) -> float:
+    """Seconds from starting `tensorbus local` (sync, one version, batch 64) to its exit:
+    its start-up and its end, as a user waits for them."""
+    started = time.perf_counter()
+    _tensorbus(params, workers, "sync", 1, *extra, tree=tree)
+    return time.perf_counter() - started
+
+
 def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = "",
                    colocate: bool = False, tree: Path = ROOT) -> float:
     """Seconds per version of `tensorbus local --strategy sync`, batch 64 per worker: with
