@@ -129,7 +129,7 @@ class Forks:
             # One line, in the pipe at once (it holds 64 KiB; the child reads while we write).
             _write_all(child.orders, json.dumps(orders).encode() + b"\n")
         except BaseException:
-            os.close(child.orders)
+            _end([child])
             raise
         if not stdin:
             os.close(child.orders)
@@ -141,18 +141,23 @@ class Forks:
         """End the children never told: each exits as its pipe closes, and is reaped here
         (killed if it has not exited within REAP_S)."""
         waiting, self._waiting = self._waiting, []
-        for child in waiting:
-            for fd in (child.orders, child.stdout, child.stderr):
-                os.close(fd)
-        deadline = time.monotonic() + REAP_S
-        for child in waiting:
-            while os.waitpid(child.pid, os.WNOHANG) == (0, 0):
-                if time.monotonic() > deadline:
-                    os.kill(child.pid, signal.SIGKILL)
-                    os.waitpid(child.pid, 0)
-                    break
-                time.sleep(0.005)
-            os.close(child.pidfd)
+        _end(waiting)
+
+
+def _end(children: list[_Child]) -> None:
+    """Close the launcher's ends of these untold children's pipes, and reap them."""
+    for child in children:
+        for fd in (child.orders, child.stdout, child.stderr):
+            os.close(fd)
+    deadline = time.monotonic() + REAP_S
+    for child in children:
+        while os.waitpid(child.pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(child.pid, signal.SIGKILL)
+                os.waitpid(child.pid, 0)
+                break
+            time.sleep(0.005)
+        os.close(child.pidfd)
 
 
 class Forked:
@@ -268,6 +273,9 @@ def _child(parent: int, mine: tuple[int, int, int], theirs: list[int]) -> NoRetu
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # as the interpreter ends: by SIGINT itself, after its exit
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:  # noqa: BLE001 - whatever it is, this process must end here
         traceback.print_exc()
     finally:
@@ -276,6 +284,9 @@ def _child(parent: int, mine: tuple[int, int, int], theirs: list[int]) -> NoRetu
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
+            if code == -signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
 
 

@@ -3,6 +3,7 @@ forked from a launcher by run.children.Forks.
 
 - exit N: exits with status N;
 - fail: raises SystemExit with a message (status 1, the message on stderr);
+- interrupt: raises KeyboardInterrupt (the interpreter ends by SIGINT);
 - report: writes what it finds of itself to stderr as one JSON line;
 - echo: copies each stdin line to stdout, upper-cased, until stdin ends;
 - sleep S: sleeps S seconds, then exits 0;
@@ -26,6 +27,8 @@ if what == "exit":
     sys.exit(int(sys.argv[2]))
 elif what == "fail":
     raise SystemExit("told to fail")
+elif what == "interrupt":
+    raise KeyboardInterrupt
 elif what == "report":
     print(json.dumps({
         "pid": os.getpid(),

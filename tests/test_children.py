@@ -60,11 +60,11 @@ def _alive(pid: int) -> bool:
 
 def test_exit_statuses_come_back_as_a_fresh_processes_would() -> None:
     seen = _probe("""
-        forks = Forks(5)
+        forks = Forks(6)
         async def main():
             started = [await forks.start(f"child {i}", "forked_child", argv) for i, argv in
                        enumerate([["exit", "0"], ["exit", "3"], ["fail"], ["sleep", "30"],
-                                   ["atexit"]])]
+                                   ["atexit"], ["interrupt"]])]
             started[3].send_signal(signal.SIGKILL)
             codes = [await p.wait() for p in started]
             errs = [(await p.stderr.read()).decode() for p in started]
@@ -78,8 +78,8 @@ def test_exit_statuses_come_back_as_a_fresh_processes_would() -> None:
         forks.close()
     """)
     codes, errs, again = seen
-    assert codes == [0, 3, 1, -signal.SIGKILL, 0]
-    assert "told to fail" in errs[2]
+    assert codes == [0, 3, 1, -signal.SIGKILL, 0, -signal.SIGINT]
+    assert "told to fail" in errs[2] and "KeyboardInterrupt" in errs[5]
     assert errs[4] == "atexit ran\n"  # (its atexit handlers run at its exit)
     assert again == "ProcessLookupError"  # (reaped: its pid may be another's by now)
 
