@@ -9,25 +9,26 @@ ZeroMQ context, no SPEC loaded, no other Python thread), and each child waits on
 its orders. Told them, a child becomes what a fresh `python -m MODULE ARGV` would be, with
 the imports already done:
 
-- its own session (unless told otherwise), so that Ctrl-C in the terminal reaches the
-  launcher alone;
+- its own session, so that Ctrl-C in the terminal reaches the launcher alone;
 - stdin the rest of its orders pipe (at its end at once, unless the launcher keeps writing:
-  `Forked.stdin`); stdout on /dev/null, a pipe (`Forked.stdout`) or the launcher's; stderr
-  a pipe (`Forked.stderr`); none of the launcher's other files;
-- the environment it is given; Python's own signal handlers; logging not set up; numpy's
-  global random state drawn afresh (Python's `random` is by `os.fork` itself);
-- it runs MODULE as `python -m` does, then exits as an interpreter does: atexit handlers
-  (which let go of its shared memory), then its exit status.
+  `Forked.stdin`); stdout on /dev/null or a pipe (`Forked.stdout`); stderr a pipe
+  (`Forked.stderr`); `sys.std*` made anew over them; no other file of the launcher's;
+- Python's own signal handlers; logging not set up; the global random states of torch and
+  numpy drawn afresh (Python's `random` is by `os.fork`);
+- it runs MODULE as `python -m` does, then exits as an interpreter does: it waits for its
+  threads, runs its atexit handlers (which let go of its shared memory), flushes sys.std*
+  and ends with its status (but files it left open and unflushed are not flushed, and its
+  string hashes are seeded as the launcher's).
 
 A child never told (the SPEC failed to load, say) exits 0 as its pipe closes, and
 `Forks.close` reaps it. What stays shared with the launcher is what it had imported, copy
-on write; it must not have drawn from torch's random generator yet (it has built nothing),
-so that a child's starts where a fresh process's does.
+on write.
 
 Where forking is not safe, launchers start fresh interpreters as before (`can_fork`): other
-than Linux with pidfds (5.3), GPU devices (a child must not inherit CUDA's state), or a
-process with threads of its own. Only the CLI forks: a caller of the Python API may hold
-anything in its process.
+than Linux with pidfds (5.3), GPU devices or CUDA initialised (a child must not inherit
+CUDA's state), or threads beyond those its imports made (OpenBLAS's, which handle a fork:
+a thread pool that torch started for an operation would deadlock a child that runs one).
+Only the CLI forks: a caller of the Python API may hold anything in its process.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import ctypes
+import fcntl
+import io
 import json
+import locale
 import logging
 import os
 import runpy
@@ -44,28 +48,38 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, NoReturn
+from typing import Final, NoReturn
 
-REAP_S = 5.0  # how long an untold child may take to exit once its pipe closes, then SIGKILL
-Stdout = Literal["null", "pipe", "inherit"]
+import numpy  # (first: the threads its OpenBLAS starts are counted in _THREADS)
+
+REAP_S: Final = 5.0  # how long an untold child may take to exit once its pipe closes
+_PR_SET_PDEATHSIG: Final = 1  # prctl options, from linux/prctl.h
+_PR_SET_NAME: Final = 15
+_TASKS = "/proc/self/task"
+_THREADS: Final = len(os.listdir(_TASKS)) if os.path.isdir(_TASKS) else 0  # imports' own
 
 
 def die_with_parent() -> None:
     """In a child: ask the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG)."""
-    _prctl(1, signal.SIGTERM)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _prctl(option: int, argument: int | bytes) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(option, argument)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, argument) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl({option}): {os.strerror(errno)}")
 
 
 def can_fork(devices: list[str]) -> bool:
     """Whether workers on `devices` can be forked from this process now."""
     if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
         return False
-    if any(d != "cpu" for d in devices) or threading.active_count() > 1:
+    if any(d != "cpu" for d in devices) or len(os.listdir(_TASKS)) > _THREADS:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
         return False
     try:
         os.close(os.pidfd_open(os.getpid()))
@@ -83,9 +97,6 @@ class _Child:
     orders: int  # its orders, then its stdin (write end)
     stdout: int  # (read ends)
     stderr: int
-
-    def fds(self) -> tuple[int, ...]:
-        return self.pidfd, self.orders, self.stdout, self.stderr
 
 
 class Forks:
@@ -105,26 +116,33 @@ class Forks:
     def _fork(self) -> _Child:
         parent = os.getpid()
         pipes = [os.pipe() for _ in range(3)]  # (read, write) each: orders, stdout, stderr
-        pid = os.fork()
-        if pid == 0:  # (never returns)
-            theirs = [fd for child in self._waiting for fd in child.fds()]
-            mine = (pipes[0][0], pipes[1][1], pipes[2][1])
-            _child(parent, mine, [*theirs, pipes[0][1], pipes[1][0], pipes[2][0]])
+        # Ctrl-C held back across the fork: in the child before it ignores it, the
+        # launcher's handler would raise into the launcher's frames.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            pid = os.fork()
+            if pid == 0:  # (never returns)
+                _child(parent, pipes[0][0], pipes[1][1], pipes[2][1])
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         for fd in (pipes[0][0], pipes[1][1], pipes[2][1]):
             os.close(fd)
-        return _Child(pid, os.pidfd_open(pid), pipes[0][1], pipes[1][0], pipes[2][0])
+        child = _Child(pid, -1, pipes[0][1], pipes[1][0], pipes[2][0])
+        try:
+            child.pidfd = os.pidfd_open(pid)
+        except OSError:
+            _end([child])
+            raise
+        return child
 
-    async def start(self, name: str, module: str, argv: list[str], *,
-                    env: Mapping[str, str] | None = None, stdin: bool = False,
-                    stdout: Stdout = "null", session: bool = True) -> Forked:
-        """The next child, told to run `python -m MODULE ARGV`: with `env` (else this
-        process's environment), writing to stdin (`Forked.stdin`) if `stdin`, else its
-        stdin at its end, in a session of its own if `session`. Its command line stays
-        its launcher's; `name` (15 bytes at most) is what `ps -o comm` and `top` show."""
+    async def start(self, name: str, module: str, argv: list[str], *, stdin: bool = False,
+                    stdout: bool = False) -> Forked:
+        """The next child, told to run `python -m MODULE ARGV`: written to on stdin
+        (`Forked.stdin`) if `stdin`, else its stdin at its end; read from on stdout
+        (`Forked.stdout`) if `stdout`, else /dev/null. Its command line stays its
+        launcher's; `name` (15 bytes at most) is what `ps -o comm` and `top` show."""
         child = self._waiting.pop(0)
-        orders = {"name": name, "module": module, "argv": argv,
-                  "env": dict(env) if env is not None else None, "stdout": stdout,
-                  "session": session}
+        orders = {"name": name, "module": module, "argv": argv, "stdout": stdout}
         try:
             # One line, in the pipe at once (it holds 64 KiB; the child reads while we write).
             _write_all(child.orders, json.dumps(orders).encode() + b"\n")
@@ -133,9 +151,9 @@ class Forks:
             raise
         if not stdin:
             os.close(child.orders)
-        if stdout != "pipe":
+        if not stdout:
             os.close(child.stdout)
-        return await Forked.watch(child, stdin=stdin, stdout=stdout == "pipe")
+        return await Forked.watch(child, stdin=stdin, stdout=stdout)
 
     def close(self) -> None:
         """End the children never told: each exits as its pipe closes, and is reaped here
@@ -145,7 +163,8 @@ class Forks:
 
 
 def _end(children: list[_Child]) -> None:
-    """Close the launcher's ends of these untold children's pipes, and reap them."""
+    """Close the launcher's ends of these untold children's pipes, and reap them: each
+    exits as its orders pipe closes, or is killed after REAP_S."""
     for child in children:
         for fd in (child.orders, child.stdout, child.stderr):
             os.close(fd)
@@ -154,10 +173,11 @@ def _end(children: list[_Child]) -> None:
         while os.waitpid(child.pid, os.WNOHANG) == (0, 0):
             if time.monotonic() > deadline:
                 os.kill(child.pid, signal.SIGKILL)
-                os.waitpid(child.pid, 0)
+                os.waitpid(child.pid, 0)  # (a SIGKILL ends it)
                 break
             time.sleep(0.005)
-        os.close(child.pidfd)
+        if child.pidfd >= 0:
+            os.close(child.pidfd)
 
 
 class Forked:
@@ -235,36 +255,27 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _child(parent: int, mine: tuple[int, int, int], theirs: list[int]) -> NoReturn:
+def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
     """A forked child's whole life: wait for its orders, run them, exit."""
-    orders, stdout, stderr = mine
     code = 1
     try:
         # Ctrl-C in the terminal reaches the launcher's whole process group, this child
         # too until it is told (and takes a session of its own): the launcher ends it then.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         die_with_parent()
         if os.getppid() != parent:  # the launcher died before the line above
             os._exit(1)
-        for fd in theirs:  # (a child holding another's pipe would hide that one's exit)
-            os.close(fd)
+        # None of the launcher's other files, from now on: a child that held the
+        # launcher's ends of another's pipes, even untold, would hide that one's end.
+        _close_all_but({orders, stdout, stderr})
         line = _read_line(orders)
         if not line:
             os._exit(0)  # never told: the launcher gave up before starting it
         told = json.loads(line)
-        _prctl(15, told["name"].encode()[:15])  # PR_SET_NAME: this thread's, the process's
-        if told["session"]:
-            os.setsid()
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(orders, 0)  # the rest of the pipe: what the launcher writes after the orders
-        if told["stdout"] != "inherit":
-            os.dup2(stdout if told["stdout"] == "pipe" else null, 1)
-        os.dup2(stderr, 2)
-        for fd in (null, orders, stdout, stderr):
-            os.close(fd)
-        if told["env"] is not None:
-            os.environ.clear()
-            os.environ.update(told["env"])
+        _prctl(_PR_SET_NAME, told["name"].encode()[:15])  # (this thread's: the process's)
+        os.setsid()
+        _stdio(orders, stdout if told["stdout"] else os.open(os.devnull, os.O_WRONLY), stderr)
         _as_if_fresh()
         sys.argv = [told["module"], *told["argv"]]
         runpy.run_module(told["module"], run_name="__main__", alter_sys=True)
@@ -280,14 +291,54 @@ def _child(parent: int, mine: tuple[int, int, int], theirs: list[int]) -> NoRetu
         traceback.print_exc()
     finally:
         try:
-            atexit._run_exitfuncs()  # as an interpreter's exit does: shared memory let go of
-            sys.stdout.flush()
-            sys.stderr.flush()
+            _exit_as_an_interpreter()
         finally:
             if code == -signal.SIGINT:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
+
+
+def _stdio(stdin: int, stdout: int, stderr: int) -> None:
+    """Make these the child's fds 0-2, and nothing else open, as a fresh interpreter's
+    start (close_fds) would have it, and make sys.stdin, stdout and stderr anew over them."""
+    # Moved above 2 first: a launcher started with a standard descriptor closed may have
+    # got one of these as 0, 1 or 2.
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 3) for fd in (stdin, stdout, stderr)]
+    for to, fd in enumerate(high):
+        os.dup2(fd, to)
+    _close_all_but(set())
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        buffered = io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw)
+        stream = io.TextIOWrapper(
+            buffered, encoding=getattr(old, "encoding", None) or locale.getpreferredencoding(False),
+            errors=getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict"),
+            line_buffering=fd == 2 or os.isatty(fd))  # (Python's choice for each)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _close_all_but(keep: set[int]) -> None:
+    """Close every descriptor above 2 but those in `keep`."""
+    start = 3
+    for fd in sorted(fd for fd in keep if fd >= start):
+        os.closerange(start, fd)
+        start = fd + 1
+    os.closerange(start, os.sysconf("SC_OPEN_MAX"))
+
+
+def _exit_as_an_interpreter() -> None:
+    """What an interpreter does at its exit that matters here, in its order: wait for
+    the threads that are not daemons, run the atexit handlers (shared memory let go of),
+    flush sys.stdout and stderr. (Private functions of CPython's, as its exit calls them:
+    this child must not unwind into its launcher's frames to reach them.)"""
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
 
 
 def _read_line(fd: int) -> bytes:
@@ -307,6 +358,9 @@ def _as_if_fresh() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for handler in list(logging.root.handlers):  # (run.cli sets logging up for its command)
         logging.root.removeHandler(handler)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()  # from the OS's entropy, as a fresh import seeds it
+    # Drawn afresh from the OS's entropy, as a fresh import seeds each: workers that share
+    # the launcher's would draw the same dropout masks, the same shuffles.
+    numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()

@@ -75,9 +75,9 @@ async def launch_colocated(
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     try:
         for rank in range(1, options.workers):
-            # (Forked, it is named as a fresh one's command line names it.)
-            child = await (forks.start("run.colocated", "run.colocated", [], stdin=True,
-                                       stdout="pipe") if forks is not None else _spawn())
+            child = await (forks.start(f"tb colocated {rank}", "run.colocated", [],
+                                       stdin=True, stdout=True)
+                           if forks is not None else _spawn())
             children.append(child)
             relays.append(asyncio.create_task(_relay(rank, child, failure, [])))
             orders = {"spec": spec_source, "options": _to_json(options), "index": rank,

@@ -13,9 +13,9 @@ import torch
 def resolve(name: str, local_rank: int, *, cuda_devices: int | None = None) -> str:
     """`name` as a WorkerConfig device: "cpu" or "cuda:N". `cuda_devices` defaults to what
     torch sees (tests pass it)."""
-    count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
     if name == "cpu":
-        return "cpu"
+        return "cpu"  # (CUDA untouched: run.children forks only a process that left it so)
+    count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
     if name == "auto" and count == 0:
         return "cpu"
     if name in ("auto", "cuda"):

@@ -5,8 +5,9 @@ safe, see run.children, else `python -m run worker ...`) talking to the coordina
 loopback. Their stderr is relayed line by line with a `[worker R]` prefix. A worker that
 fails with an error (its SPEC raised, say) ends the whole run at once with its one-line
 error, since every worker would fail the same way; a worker killed by a signal (a crash,
-injected or not) is removed at once and the run goes on with the others. Every worker is reaped in `finally`, and each is also told by the kernel to die with
-this process (PR_SET_PDEATHSIG), so none outlives a launcher that is killed.
+injected or not) is removed at once and the run goes on with the others. Every worker is
+reaped in `finally`, and each is also told by the kernel to die with this process
+(PR_SET_PDEATHSIG), so none outlives a launcher that is killed.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def launch_local(
     `fork`, the workers are forked from this process where that is safe (run.children):
     the CLI's, whose process is its own; a caller of this function may hold threads or
     state a fork would copy, so it gets fresh interpreters unless it asks."""
-    count = torch.cuda.device_count()
+    count = torch.cuda.device_count() if device != "cpu" else 0
     devices = [resolve_device(device, rank % max(count, 1)) for rank in range(options.workers)]
     # With --colocate this process is worker 0: the others are processes.
     forks = _forks(options.workers - (1 if options.colocate else 0), devices) if fork else None

@@ -7,7 +7,8 @@ forked from a launcher by run.children.Forks.
 - report: writes what it finds of itself to stderr as one JSON line;
 - echo: copies each stdin line to stdout, upper-cased, until stdin ends;
 - sleep S: sleeps S seconds, then exits 0;
-- atexit: registers an atexit handler that writes to stderr, then exits 0.
+- atexit: registers an atexit handler that writes to stderr, then exits 0;
+- thread: starts a thread (not a daemon) that writes to stderr after 0.3 s, and returns.
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ elif what == "fail":
 elif what == "interrupt":
     raise KeyboardInterrupt
 elif what == "report":
+    import logging
+
+    import torch
+
     print(json.dumps({
         "pid": os.getpid(),
         "sid": os.getsid(0),
         "ppid": os.getppid(),
-        "env": dict(os.environ),
         "name": Path("/proc/self/comm").read_text().strip(),
         "random": float(np.random.random()),
+        "torch_random": float(torch.rand(1).item()),
+        "logging_handlers": len(logging.root.handlers),
         "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
@@ -51,5 +57,10 @@ elif what == "sleep":
     time.sleep(float(sys.argv[2]))
 elif what == "atexit":
     atexit.register(lambda: print("atexit ran", file=sys.stderr, flush=True))
+elif what == "thread":
+    import threading
+
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", file=sys.stderr,
+                                                             flush=True))).start()
 else:
     sys.exit(f"forked_child: unknown {what!r}")

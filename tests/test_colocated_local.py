@@ -32,7 +32,8 @@ from run.options import RunOptions
 
 pytestmark = pytest.mark.timeout(180)
 
-CHILD = "run.colocated"  # a colocated worker process's command line, or name if forked
+CHILD = "run.colocated"  # the module a colocated worker process runs
+FORKED = "tb colocated"  # the name of one forked from `local` (run.children), with its rank
 
 
 def _summary(done: subprocess.CompletedProcess[str]) -> dict:
@@ -63,7 +64,7 @@ def test_colocated_gives_the_figures_of_a_central_coordinator(tmp_path: Path) ->
     assert set(Path("/dev/shm").glob("tensorbus-*")) <= segments  # (older ones may go)
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert lines[-1]["event"] == "summary" and lines[-1]["accuracy"] == central["accuracy"]
-    assert _left_running(CHILD) == []
+    assert _left_running(FORKED) == []
 
 
 def test_a_killed_worker_ends_the_run_in_one_line(tmp_path: Path) -> None:
@@ -74,8 +75,10 @@ def test_a_killed_worker_ends_the_run_in_one_line(tmp_path: Path) -> None:
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_a_step(metrics)
-        children = [int(line.split(":")[0]) for line in _left_running(CHILD)]
-        assert len(children) == 2
+        running = _left_running(FORKED)
+        assert sorted(line.split(": ")[1] for line in running) == ["tb colocated 1",
+                                                                    "tb colocated 2"]
+        children = [int(line.split(":")[0]) for line in running]
         subprocess.run(["kill", "-KILL", str(children[-1])], check=False)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 1
@@ -87,9 +90,9 @@ def test_a_killed_worker_ends_the_run_in_one_line(tmp_path: Path) -> None:
             launcher.kill()
             launcher.communicate()
     deadline = time.monotonic() + 10
-    while _left_running(CHILD) and time.monotonic() < deadline:
+    while _left_running(FORKED) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _left_running(CHILD) == []
+    assert _left_running(FORKED) == []
 
 
 def test_sigterm_checkpoints_every_shard_and_resume_goes_on(tmp_path: Path) -> None:
@@ -118,7 +121,7 @@ def test_sigterm_checkpoints_every_shard_and_resume_goes_on(tmp_path: Path) -> N
                              "--checkpoint-dir", str(checkpoints), "--resume",
                              "--steps", str(stopped["steps"] + 5)]))
     assert resumed["resumed_from"] == stopped["steps"] and resumed["steps"] == stopped["steps"] + 5
-    assert _left_running(CHILD) == []
+    assert _left_running(FORKED) == []
 
 
 @pytest.mark.parametrize(("extra", "says"), [

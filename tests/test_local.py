@@ -33,9 +33,9 @@ def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[s
 
 
 def _left_running(marker: str) -> list[str]:
-    """The processes whose command line holds `marker`, or whose name (comm) is `marker`:
-    a worker forked from its launcher (run.children) keeps the launcher's command line
-    and is named by it."""
+    """The processes whose command line holds `marker`, or whose name (comm) starts with
+    it: a worker forked from its launcher (run.children) keeps the launcher's command line
+    and is named by the launcher."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -43,7 +43,7 @@ def _left_running(marker: str) -> list[str]:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if (marker in cmdline or marker == name) and int(pid) != os.getpid():
+        if (marker in cmdline or name.startswith(marker)) and int(pid) != os.getpid():
             found.append(f"{pid}: {name}: {cmdline}")
     return found
 
