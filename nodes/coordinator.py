@@ -511,10 +511,6 @@ class Coordinator:
                 await self._answer(peer, member, message.request, decisions, now, push=False)
                 await self._carry_out(decisions)
             case Push():
-                # Each push stands for `local_steps` batches of the sender's shard, taken
-                # or not: where its data has got to, for a restart.
-                self._positions[member.rank] = (self._positions.get(member.rank, 0)
-                                                + self.strategy.rhythm.local_steps)
                 # Fresher than its last beat (beats come every heartbeat_s): for the status.
                 member.phase = Phase.PUSHING.value
                 member.version = max(member.version, message.version)
@@ -629,6 +625,7 @@ class Coordinator:
                 case Drop(reason=reason):
                     self.metrics.dropped[reason.value] += 1
                     self.metrics.worker(member.rank)["dropped"] += 1
+                    self._used(member.rank)
                     dropped = reason.value
         if dropped:
             await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
@@ -656,13 +653,19 @@ class Coordinator:
             else:
                 await self._answer(peer, member, message.request, decisions, now, push=True)
         await self._carry_out(decisions)
-        if self.state is State.TRAINING and all(
+        if self.state in (State.STARTING, State.TRAINING) and all(
                 self._not_finite.get(m.rank, 0) >= _DIVERGED_AFTER for m in self._members):
             # Every worker computes NaN again from the same weights: waiting will not mend it.
-            await self._fail(
-                f"training diverged: every worker's last {_DIVERGED_AFTER} updates were not "
-                f"finite (NaN or inf), at version {self.version}: lower --lr, or use a larger "
-                "--batch-size")
+            if self.state is State.STARTING:  # no step taken: the lr is not the cause
+                await self._fail(
+                    f"every worker's first {_DIVERGED_AFTER} updates were not finite (NaN "
+                    "or inf), on the initial weights, before any step: the SPEC's model(), "
+                    "loss() or data() gives them: check them on one batch")
+            else:
+                await self._fail(
+                    f"training diverged: every worker's last {_DIVERGED_AFTER} updates were "
+                    f"not finite (NaN or inf), at version {self.version}: lower --lr, or use "
+                    "a larger --batch-size")
 
     async def _answer(
         self, peer: bytes, member: Member, request: int, decisions: list[Decision], now: float,
@@ -743,6 +746,7 @@ class Coordinator:
         samples = sum(h.samples for h in held)
         for w in decision.workers:
             self.metrics.worker(w)["applied"] += 1
+            self._used(w)
         self.metrics.step(self.version, loss, samples, decision.workers, staleness)
         if self.state is State.STARTING:
             self._enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
@@ -769,6 +773,13 @@ class Coordinator:
         elif (self.config.checkpoint_every is not None
               and self.version % self.config.checkpoint_every == 0):
             await self._checkpoint()
+
+    def _used(self, rank: int) -> None:
+        """A push of `rank`'s was applied or dropped: the `local_steps` batches of its shard
+        it stands for are used, where its data has got to for a restart. (Not before: a
+        push held for the next version when a checkpoint is written is not in it, and its
+        worker computes it again after a resume, as it would have been.)"""
+        self._positions[rank] = self._positions.get(rank, 0) + self.strategy.rhythm.local_steps
 
     def _reached(self) -> str:
         """What the run has reached, in the terms of its target."""
@@ -1232,11 +1243,18 @@ class Coordinator:
             early = self.metrics.lost
             gone = (f"; {len(early)} joined and were lost before training began (ranks "
                     f"{', '.join(str(w['rank']) for w in early)})" if early else "")
-            await self._fail(
-                f"only {len(self._members)} of {self.strategy.workers} workers joined within "
-                f"{self.config.join_timeout_s:.0f} s{gone}: are they started, and pointed at "
-                f"{self.endpoint}? (--join-timeout waits longer)"
-            )
+            if len(self._members) < self.strategy.workers:
+                await self._fail(
+                    f"only {len(self._members)} of {self.strategy.workers} workers joined "
+                    f"within {self.config.join_timeout_s:.0f} s{gone}: are they started, and "
+                    f"pointed at {self.endpoint}? (--join-timeout waits longer)")
+            else:  # all here, and yet no first version
+                dropped = ", ".join(f"{n} {why}" for why, n in self.metrics.dropped.items() if n)
+                await self._fail(
+                    f"every worker joined, but no version was made within "
+                    f"{self.config.join_timeout_s:.0f} s: "
+                    + (f"their pushes were dropped ({dropped})" if dropped else
+                       "no push came (still loading data? --join-timeout waits longer)"))
         if self.state is State.TRAINING and len(self._members) < self.config.min_workers:
             why = "; ".join(self._errors) or "the others left or went silent"
             lost = ", ".join(f"{w['rank']} (at version {w['version']}, {w['phase']})"
