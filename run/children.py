@@ -263,6 +263,7 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
         # too until it is told (and takes a session of its own): the launcher ends it then.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (whatever the launcher's handler)
         die_with_parent()
         if os.getppid() != parent:  # the launcher died before the line above
             os._exit(1)

@@ -187,6 +187,38 @@ def test_a_run_that_diverges_stops_with_what_to_change() -> None:
         "(NaN or inf), at version 1: lower --lr, or use a larger --batch-size")
 
 
+def test_a_loss_that_is_nan_from_the_start_stops_at_once(tmp_path: Path) -> None:
+    """Not finite before any step (the SPEC's fault, not the lr's): said within seconds,
+    not after --join-timeout as workers that never joined."""
+    spec = tmp_path / "nan_loss.py"
+    spec.write_text(Path(DIGITS).read_text() + (
+        "\n_loss = loss\n\n\ndef loss(output, target):\n"
+        "    return _loss(output, target) * float('nan')\n"))
+    started = time.monotonic()
+    done = _tensorbus("local", str(spec), "--workers", "2", "--threads", "1", "--no-progress")
+    assert time.monotonic() - started < 30  # (--join-timeout is 300 s)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tensorbus: error: every worker's first 8 updates were not finite (NaN or inf), on "
+        "the initial weights, before any step: the SPEC's model(), loss() or data() gives "
+        "them: check them on one batch")
+
+
+def test_workers_that_joined_but_never_pushed(tmp_path: Path) -> None:
+    """Every worker joined, and no version came within --join-timeout: said so, not
+    counted as workers that never joined."""
+    spec = tmp_path / "slow_data.py"
+    spec.write_text(Path(DIGITS).read_text() + (
+        "\n_data = data\n\n\ndef data(rank, world_size, batch_size):\n"
+        "    import time\n    time.sleep(5)\n    return _data(rank, world_size, batch_size)\n"))
+    done = _tensorbus("local", str(spec), "--workers", "2", "--threads", "1", "--no-progress",
+                      "--join-timeout", "3")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tensorbus: error: every worker joined, but no version was made within 3 s: no push "
+        "came (still loading data? --join-timeout waits longer)")
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A coordinator with keys for worker `alice`, waiting for a worker that never comes."""
