@@ -30,6 +30,18 @@ class CheckpointError(Exception):
     """A checkpoint cannot be written or used; the message names the file and why."""
 
 
+def prepare(directory: Path) -> None:
+    """Make `directory` if need be and check that a checkpoint can be written there: a
+    run is told now, not at its first checkpoint, well under way."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(prefix=".probe-", dir=directory):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoints in {directory}: {e.strerror}: give "
+                              "a folder you can write in") from None
+
+
 def save(directory: Path, state: dict[str, Any], *, keep: int = KEEP) -> Path:
     """Write `state` (with its "version") as the newest checkpoint in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)

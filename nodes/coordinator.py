@@ -280,6 +280,8 @@ class Coordinator:
         self._failure: str | None = None  # why the run failed, raised once workers are told
         self._background: asyncio.Task[None] | None = None
         self._warned: dict[tuple[bytes, str], float] = {}  # rate limit of rejection warnings
+        if config.checkpoint_dir is not None:
+            checkpoint.prepare(config.checkpoint_dir)
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
                                append=config.resume)
         self.watch = Watch(self.metrics, trace=config.trace)
@@ -1018,8 +1020,9 @@ class Coordinator:
         state = checkpoint.load(path, layout=self.flat.layout.digest)
         if state["strategy"] != self.strategy.name:
             raise checkpoint.CheckpointError(
-                f"{path} was written by strategy {state['strategy']}, not {self.strategy.name}"
-            )
+                f"{path} was written by strategy {state['strategy']}, not "
+                f"{self.strategy.name}: resume with --strategy {state['strategy']}, or give "
+                "another --checkpoint-dir")
         self._own_master()
         self.flat.load(state["weights"])
         if self.optimizer is not None and state["optimizer"] is not None:

@@ -20,12 +20,20 @@ from pathlib import Path
 from typing import IO, Any
 
 
+class MetricsError(Exception):
+    """The metrics file cannot be written; the message names it and why."""
+
+
 class Metrics:
     def __init__(self, path: Path | None, *, strategy: str, workers: int,
                  append: bool = False) -> None:
         # A resumed run goes on in the same file, after the records of the run it resumes.
         mode = "a" if append else "w"
-        self._file: IO[str] | None = path.open(mode, encoding="utf-8") if path else None
+        try:
+            self._file: IO[str] | None = path.open(mode, encoding="utf-8") if path else None
+        except OSError as e:
+            raise MetricsError(f"cannot write the metrics file {path}: {e.strerror}: give a "
+                               "path in a folder you can write in") from None
         self.strategy = strategy
         self.workers = workers
         self.started = time.monotonic()

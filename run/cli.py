@@ -25,9 +25,11 @@ import torch
 from bus.errors import HandshakeError, PeerTimeoutError, RejectedError
 from bus.security import load_client_keys, load_server_keys, make_keys
 from bus.transport import is_loopback, new_event_loop, split_endpoint
+from nodes.checkpoint import CheckpointError
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import TrainingError
 from nodes.link import RunFailedError
+from nodes.metrics import MetricsError
 from nodes.relay import Relay
 from nodes.worker import ComputeError, DataError, Worker
 from run import cluster, device, interrupts
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except KeyboardInterrupt as e:
         return fail(e, "interrupted", 130)
-    except (SpecError, ValueError) as e:
+    except (SpecError, ValueError, CheckpointError, MetricsError) as e:
         return fail(e, str(e), 2)
     except (TrainingError, LocalRunError, DataError, ComputeError, PeerTimeoutError, RejectedError,
             HandshakeError, RunFailedError, OSError) as e:
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # Causes that are ours and already said in full: no traceback would help a user. (A
 # ValueError or OSError as a cause came from the SPEC's code or a library: its traceback may.)
-_OURS = (SpecError, TrainingError, PeerTimeoutError, RejectedError, HandshakeError, RunFailedError)
+_OURS = (SpecError, TrainingError, PeerTimeoutError, RejectedError, HandshakeError, RunFailedError,
+         CheckpointError, MetricsError)
 
 
 def _local(args: argparse.Namespace) -> int:

@@ -11,9 +11,14 @@ import sys
 
 
 def main() -> int:
+    import signal
+
     from run import interrupts
 
     interrupts.note()
+    # A request for the status table (run.status) that comes before it listens, or after,
+    # is let pass, not fatal (SIGUSR1's default ends the process).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         from run.cli import main as cli
     except KeyboardInterrupt:

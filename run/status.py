@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Iterator
-from typing import TextIO, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TextIO, TypeVar
 
 from nodes.coordinator import Coordinator
 from nodes.watch import Status
@@ -90,10 +91,11 @@ class StatusTable:
     @contextlib.contextmanager
     def _on_request(self, coordinator: Coordinator) -> Iterator[None]:
         loop = asyncio.get_running_loop()
-        undo = []
+        undo: list[Callable[[], object]] = []
         try:
+            previous = signal.getsignal(signal.SIGUSR1)
             loop.add_signal_handler(signal.SIGUSR1, self.show, coordinator)
-            undo.append(lambda: loop.remove_signal_handler(signal.SIGUSR1))
+            undo.append(functools.partial(_stop_listening, loop, previous))
         except (RuntimeError, ValueError):  # not the main thread: no signals
             pass
         stdin = sys.stdin
@@ -114,3 +116,11 @@ class StatusTable:
         finally:
             for step in undo:
                 step()
+
+
+def _stop_listening(loop: asyncio.AbstractEventLoop, previous: Any) -> None:
+    """SIGUSR1 as it was before (asyncio, removing its handler, leaves the signal at its
+    default, which ends the process: the CLI's let it pass, see run.entry)."""
+    loop.remove_signal_handler(signal.SIGUSR1)
+    if previous is not None:  # (None: set outside Python, and left so)
+        signal.signal(signal.SIGUSR1, previous)

@@ -219,6 +219,33 @@ def test_workers_that_joined_but_never_pushed(tmp_path: Path) -> None:
         "came (still loading data? --join-timeout waits longer)")
 
 
+@pytest.mark.parametrize(("flag", "path", "line"), [
+    ("--checkpoint-dir", "/proc/nope", "tensorbus: error: cannot write checkpoints in "
+     "/proc/nope: No such file or directory: give a folder you can write in"),
+    ("--metrics", "/nonexistent/dir/m.jsonl", "tensorbus: error: cannot write the metrics file "
+     "/nonexistent/dir/m.jsonl: No such file or directory: give a path in a folder you can "
+     "write in"),
+])
+def test_a_path_that_cannot_be_written(flag: str, path: str, line: str) -> None:
+    """Said before any worker starts, not at the first checkpoint or record."""
+    done = _tensorbus("local", DIGITS, "--workers", "2", "--steps", "5", "--no-progress",
+                      flag, path)
+    assert done.returncode == 2
+    assert _one_line(done) == line
+
+
+def test_resuming_a_checkpoint_of_another_strategy(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    common = ["local", DIGITS, "--workers", "2", "--threads", "1", "--no-progress",
+              "--checkpoint-dir", str(ckpt)]
+    assert _tensorbus(*common, "--steps", "3").returncode == 0
+    done = _tensorbus(*common, "--steps", "6", "--resume", "--strategy", "async")
+    assert done.returncode == 2
+    assert _one_line(done) == (
+        f"tensorbus: error: {ckpt}/ckpt-000000003.pt was written by strategy sync, not async: "
+        "resume with --strategy sync, or give another --checkpoint-dir")
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A coordinator with keys for worker `alice`, waiting for a worker that never comes."""

@@ -137,8 +137,22 @@ def test_sigusr1_prints_the_table_during_a_run() -> None:
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("status: v") and "training" in lines[0] and "2 worker(s)" in lines[0]
     assert [line.split()[1] for line in lines[2:]] == ["0", "1"]
-    # Restored afterwards: SIGUSR1 is back to its default (which would end this process).
+    # Restored afterwards: SIGUSR1 is back to what it was (here its default).
     assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)
+
+
+def test_sigusr1_while_starting_is_let_pass() -> None:
+    """`local` ignores a USR1 that comes while it starts, before the table listens (as it
+    does once training is over), where the signal's default would end it."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "run", "local", str(ROOT / "examples" / "digits.py"),
+         "--workers", "2", "--steps", "5", "--threads", "1", "--no-progress"],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    time.sleep(0.5)  # (importing torch, well before the run)
+    launcher.send_signal(signal.SIGUSR1)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err
 
 
 @pytest.mark.timeout(90)
