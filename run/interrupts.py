@@ -12,22 +12,32 @@ is. Cheap to import: no torch.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
+from typing import Any
 
 _noted = False
 
 
 def note() -> None:
     """From now on, note each Ctrl-C (main thread only) until a handler of the run's
-    own replaces this one."""
+    own replaces this one. An interrupt raised where Python can only print it (in a
+    finalizer or a weakref callback, such as importlib's module locks have) is noted and
+    not printed: the run ends as interrupted, in its one line, all the same."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _interrupt)
+        sys.unraisablehook = _unraisable
 
 
 def noted() -> bool:
     """Whether Ctrl-C came since `note`."""
     return _noted
+
+
+def _unraisable(unraisable: Any) -> None:
+    if not (_noted and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+        sys.__unraisablehook__(unraisable)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

@@ -125,6 +125,24 @@ def test_an_interrupt_while_starting_is_one_line_and_status_130() -> None:
     assert stderr.strip() == "tensorbus: error: interrupted"
 
 
+def test_an_interrupt_in_a_finalizer_is_noted_and_not_printed() -> None:
+    """Ctrl-C that lands in code whose exceptions Python can only print (a finalizer, or
+    importlib's module-lock callback, as seen once in CI during the test above): noted,
+    so that the run ends as interrupted in its one line, and not printed."""
+    probe = ("import os, signal, sys, time\n"
+             "from run import interrupts\n"
+             "interrupts.note()\n"
+             "class Finalized:\n"
+             "    def __del__(self):\n"
+             "        os.kill(os.getpid(), signal.SIGINT)\n"
+             "        time.sleep(1)\n"
+             "Finalized()\n"
+             "print(interrupts.noted())\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", "")
+
+
 def test_an_interrupt_that_a_spec_library_swallows_is_still_an_interrupt(tmp_path: Path) -> None:
     """Ctrl-C while the SPEC imports, caught by a library's bare `except:`, which then fails
     on its half-made state (a RecursionError, seen once in CI when the interrupt above
