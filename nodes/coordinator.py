@@ -994,6 +994,9 @@ class Coordinator:
             "samples": self.metrics.samples,
             "target_samples": self._target_samples,
             "positions": dict(self._positions),
+            # What the positions are counted in: each rank's shard of the data, in batches.
+            "workers": self.strategy.workers,
+            "batch_size": self.config.batch_size,
         }
 
     async def _checkpoint(self) -> None:
@@ -1032,6 +1035,14 @@ class Coordinator:
         self.metrics.resumed(self.version, state["samples"], str(path))
         self._target_samples = state["target_samples"]
         self._positions = dict(state["positions"])
+        was = (state.get("workers", self.strategy.workers),
+               state.get("batch_size", self.config.batch_size))  # (older checkpoints lack them)
+        if was != (self.strategy.workers, self.config.batch_size):
+            log.warning(
+                "resuming a run of %d workers with batches of %d as one of %d with batches of "
+                "%d: each rank's data goes on from where that rank had got to in its old "
+                "shard, so the run does not retrace the one it resumes (same --workers and "
+                "--batch-size would)", *was, self.strategy.workers, self.config.batch_size)
         log.info("resumed from %s at version %d", path, self.version)
 
     # Evaluation points -----------------------------------------------------------------

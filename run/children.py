@@ -11,8 +11,8 @@ the imports already done:
 
 - its own session, so that Ctrl-C in the terminal reaches the launcher alone;
 - stdin the rest of its orders pipe (at its end at once, unless the launcher keeps writing:
-  `Forked.stdin`); stdout on /dev/null or a pipe (`Forked.stdout`); stderr a pipe
-  (`Forked.stderr`); `sys.std*` made anew over them; no other file of the launcher's;
+  `Forked.stdin`); stdout a pipe (`Forked.stdout`), or the stderr pipe (`Forked.stderr`)
+  line by line; `sys.std*` made anew over them; no other file of the launcher's;
 - Python's own signal handlers; logging not set up; the global random states of torch and
   numpy drawn afresh (Python's `random` is by `os.fork`);
 - it runs MODULE as `python -m` does, then exits as an interpreter does: it waits for its
@@ -49,11 +49,12 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Final, NoReturn
+from typing import Final, Literal, NoReturn
 
 import numpy  # (first: the threads its OpenBLAS starts are counted in _THREADS)
 
 REAP_S: Final = 5.0  # how long an untold child may take to exit once its pipe closes
+Stdout = Literal["pipe", "stderr"]  # a child's stdout: a pipe of its own, or its stderr's
 _PR_SET_PDEATHSIG: Final = 1  # prctl options, from linux/prctl.h
 _PR_SET_NAME: Final = 15
 _TASKS = "/proc/self/task"
@@ -136,11 +137,12 @@ class Forks:
         return child
 
     async def start(self, name: str, module: str, argv: list[str], *, stdin: bool = False,
-                    stdout: bool = False) -> Forked:
+                    stdout: Stdout = "stderr") -> Forked:
         """The next child, told to run `python -m MODULE ARGV`: written to on stdin
-        (`Forked.stdin`) if `stdin`, else its stdin at its end; read from on stdout
-        (`Forked.stdout`) if `stdout`, else /dev/null. Its command line stays its
-        launcher's; `name` (15 bytes at most) is what `ps -o comm` and `top` show."""
+        (`Forked.stdin`) if `stdin`, else its stdin at its end; its stdout read from
+        `Forked.stdout` ("pipe"), or from `Forked.stderr` with its stderr, line by line
+        ("stderr"). Its command line stays its launcher's; `name` (15 bytes at most) is
+        what `ps -o comm` and `top` show."""
         child = self._waiting.pop(0)
         orders = {"name": name, "module": module, "argv": argv, "stdout": stdout}
         try:
@@ -151,9 +153,9 @@ class Forks:
             raise
         if not stdin:
             os.close(child.orders)
-        if not stdout:
+        if stdout != "pipe":
             os.close(child.stdout)
-        return await Forked.watch(child, stdin=stdin, stdout=stdout)
+        return await Forked.watch(child, stdin=stdin, stdout=stdout == "pipe")
 
     def close(self) -> None:
         """End the children never told: each exits as its pipe closes, and is reaped here
@@ -276,7 +278,7 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
         told = json.loads(line)
         _prctl(_PR_SET_NAME, told["name"].encode()[:15])  # (this thread's: the process's)
         os.setsid()
-        _stdio(orders, stdout if told["stdout"] else os.open(os.devnull, os.O_WRONLY), stderr)
+        _stdio(orders, stdout if told["stdout"] == "pipe" else stderr, stderr)
         _as_if_fresh()
         sys.argv = [told["module"], *told["argv"]]
         runpy.run_module(told["module"], run_name="__main__", alter_sys=True)
@@ -316,7 +318,8 @@ def _stdio(stdin: int, stdout: int, stderr: int) -> None:
         stream = io.TextIOWrapper(
             buffered, encoding=getattr(old, "encoding", None) or locale.getpreferredencoding(False),
             errors=getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict"),
-            line_buffering=fd == 2 or os.isatty(fd))  # (Python's choice for each)
+            # (Python's choice for each, and line by line where stdout shares stderr's pipe)
+            line_buffering=fd == 2 or os.isatty(fd) or (fd == 1 and stdout == stderr))
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 

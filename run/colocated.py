@@ -76,7 +76,7 @@ async def launch_colocated(
     try:
         for rank in range(1, options.workers):
             child = await (forks.start(f"tb colocated {rank}", "run.colocated", [],
-                                       stdin=True, stdout=True)
+                                       stdin=True, stdout="pipe")
                            if forks is not None else _spawn())
             children.append(child)
             relays.append(asyncio.create_task(_relay(rank, child, failure, [])))

@@ -2,7 +2,8 @@
 
 Workers are real processes (`tensorbus worker ...`: forked from the launcher where that is
 safe, see run.children, else `python -m run worker ...`) talking to the coordinator over tcp
-loopback. Their stderr is relayed line by line with a `[worker R]` prefix. A worker that
+loopback. Their output (stderr, and what they print) is relayed line by line to our
+stderr with a `[worker R]` prefix. A worker that
 fails with an error (its SPEC raised, say) ends the whole run at once with its one-line
 error, since every worker would fail the same way; a worker killed by a signal (a crash,
 injected or not) is removed at once and the run goes on with the others. Every worker is
@@ -167,12 +168,13 @@ async def _launch(
 
 
 async def _spawn(argv: list[str]) -> asyncio.subprocess.Process:
-    """`python -m run ARGV`, a fresh interpreter, as a worker of this launcher."""
+    """`python -m run ARGV`, a fresh interpreter, as a worker of this launcher: its
+    stdout and stderr in one pipe (`stdout`), unbuffered, as a forked one's (see _relay)."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "run", *argv,
+        sys.executable, "-u", "-m", "run", *argv,
         stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
         preexec_fn=die_with_parent,
         # Its own session: Ctrl-C in the terminal reaches the launcher alone, which
         # stops the workers gracefully through the coordinator.
@@ -184,12 +186,13 @@ async def _relay(
     rank: int, process: Process, failure: asyncio.Future[str],
     coordinators: list[Coordinator],
 ) -> None:
-    """Copy a worker's stderr to ours; if it fails, report its last word; if it is killed,
-    have the coordinator go on without it."""
-    assert process.stderr is not None
+    """Copy a worker's output (stderr, with what it prints to stdout) to our stderr; if
+    it fails, report its last word; if it is killed, have the coordinator go on without it."""
+    output = process.stderr if process.stderr is not None else process.stdout
+    assert output is not None
     last_error = ""
     tail: list[str] = []
-    async for raw in process.stderr:
+    async for raw in output:
         line = raw.decode(errors="replace").rstrip()
         if line.startswith(ERROR_PREFIX):
             last_error = line[len(ERROR_PREFIX):]

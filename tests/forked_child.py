@@ -6,6 +6,7 @@ forked from a launcher by run.children.Forks.
 - interrupt: raises KeyboardInterrupt (the interpreter ends by SIGINT);
 - report: writes what it finds of itself to stderr as one JSON line;
 - echo: copies each stdin line to stdout, upper-cased, until stdin ends;
+- print: prints a line to stdout, then one to stderr, then sleeps 30 s (killed before);
 - sleep S: sleeps S seconds, then exits 0;
 - atexit: registers an atexit handler that writes to stderr, then exits 0;
 - thread: starts a thread (not a daemon) that writes to stderr after 0.3 s, and returns.
@@ -48,11 +49,16 @@ elif what == "report":
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
         "stdin": sys.stdin.read(),
         "stdout": os.readlink("/proc/self/fd/1"),
+        "stderr": os.readlink("/proc/self/fd/2"),
         "argv": sys.argv,
     }), file=sys.stderr, flush=True)
 elif what == "echo":
     for line in sys.stdin:
         print(line.strip().upper(), flush=True)
+elif what == "print":
+    print("to stdout")
+    print("to stderr", file=sys.stderr)
+    time.sleep(30)
 elif what == "sleep":
     time.sleep(float(sys.argv[2]))
 elif what == "atexit":

@@ -115,7 +115,7 @@ def test_a_child_is_what_a_fresh_interpreter_would_be() -> None:
     assert a["name"] == "tb worker 0" and b["name"] == "tb worker 1"
     assert a["random"] != b["random"] and a["torch_random"] != b["torch_random"]
     assert a["sigint_default"] and a["sigterm_default"] and a["logging_handlers"] == 0
-    assert a["stdin"] == "" and a["stdout"] == "/dev/null"
+    assert a["stdin"] == "" and a["stdout"] == a["stderr"] and a["stderr"].startswith("pipe:")
     assert a["argv"][1:] == ["report"]
     # Its stdio and the descriptor its listing opened: nothing of the launcher's (its
     # stray file, its ends of the pipes), nor of the child forked before it.
@@ -131,7 +131,7 @@ def test_stdin_and_stdout_pipes() -> None:
         os.close(write)
         forks = Forks(1)
         async def main():
-            child = await forks.start("echo", "forked_child", ["echo"], stdin=True, stdout=True)
+            child = await forks.start("echo", "forked_child", ["echo"], stdin=True, stdout="pipe")
             got = []
             for word in ("one", "two"):
                 child.stdin.write(word.encode() + b"\\n")
@@ -146,6 +146,24 @@ def test_stdin_and_stdout_pipes() -> None:
     assert lines == ["ONE", "TWO"]
 
 
+def test_stdout_shares_stderrs_pipe_line_by_line() -> None:
+    """By default what a child prints comes with what it writes to stderr, in order, each
+    line as it is printed (the child still lives)."""
+    lines = _probe("""
+        forks = Forks(1)
+        async def main():
+            child = await forks.start("printer", "forked_child", ["print"])
+            got = [(await asyncio.wait_for(child.stderr.readline(), 10)).decode()
+                   for _ in range(2)]
+            child.send_signal(signal.SIGKILL)
+            await child.wait()
+            return got
+        print(json.dumps(asyncio.run(main())))
+        forks.close()
+    """)
+    assert lines == ["to stdout\n", "to stderr\n"]
+
+
 def test_no_child_holds_anothers_pipes() -> None:
     """A child forked after another holds none of the launcher's ends of that one's pipes:
     the first sees its stdin end when the launcher closes it, while the second lives."""
@@ -153,7 +171,7 @@ def test_no_child_holds_anothers_pipes() -> None:
         forks = Forks(3)
         async def main():
             first = await forks.start("first", "forked_child", ["echo"], stdin=True,
-                                      stdout=True)
+                                      stdout="pipe")
             second = await forks.start("second", "forked_child", ["sleep", "30"])
             first.stdin.write(b"last\\n")
             first.stdin.close()

@@ -252,16 +252,23 @@ def test_a_path_that_cannot_be_written(flag: str, path: str, line: str) -> None:
     assert _one_line(done) == line
 
 
-def test_resuming_a_checkpoint_of_another_strategy(tmp_path: Path) -> None:
+def test_resuming_a_checkpoint_of_another_run(tmp_path: Path) -> None:
+    """Of another strategy: refused. Of as many workers with other batches: warned that
+    the run will not retrace the one it resumes, and resumed."""
     ckpt = tmp_path / "ckpt"
-    common = ["local", DIGITS, "--workers", "2", "--threads", "1", "--no-progress",
-              "--checkpoint-dir", str(ckpt)]
-    assert _tensorbus(*common, "--steps", "3").returncode == 0
-    done = _tensorbus(*common, "--steps", "6", "--resume", "--strategy", "async")
+    common = ["local", DIGITS, "--threads", "1", "--no-progress", "--checkpoint-dir", str(ckpt)]
+    assert _tensorbus(*common, "--workers", "2", "--steps", "3").returncode == 0
+    done = _tensorbus(*common, "--workers", "2", "--steps", "6", "--resume", "--strategy", "async")
     assert done.returncode == 2
     assert _one_line(done) == (
         f"tensorbus: error: {ckpt}/ckpt-000000003.pt was written by strategy sync, not async: "
         "resume with --strategy sync, or give another --checkpoint-dir")
+    done = _tensorbus(*common, "--workers", "2", "--batch-size", "32", "--steps", "4", "--resume")
+    assert done.returncode == 0, done.stderr
+    assert ("resuming a run of 2 workers with batches of 64 as one of 2 with batches of 32: "
+            "each rank's data goes on from where that rank had got to in its old shard, so "
+            "the run does not retrace the one it resumes (same --workers and --batch-size "
+            "would)") in done.stderr
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,29 @@ def test_local_trains_and_writes_the_summary(tmp_path: Path) -> None:
     assert _left_running(str(spec)) == []
 
 
+@pytest.mark.parametrize("started", ["forked", "fresh"])
+def test_what_a_worker_prints_is_relayed(tmp_path: Path, started: str) -> None:
+    """A worker's stdout comes to the launcher's stderr with its stderr, `[worker R]`
+    before each line; the launcher's stdout holds the summary alone. Workers forked by
+    the CLI, or fresh interpreters, as the Python API starts them."""
+    spec = _spec(tmp_path, "digits_prints", DIGITS.read_text() + (
+        "\n_data = data\n\n\ndef data(rank, world_size, batch_size):\n"
+        "    print(f'hello from rank {rank}')\n"
+        "    return _data(rank, world_size, batch_size)\n"))
+    if started == "forked":
+        result = _run(["local", str(spec), "--workers", "2", "--steps", "2", *FAST])
+    else:
+        api = ("import json, sys; from run import launch_local; from run.options import "
+               "RunOptions; print(json.dumps(launch_local(sys.argv[1], RunOptions("
+               "workers=2, steps=2), threads=1)))")
+        result = subprocess.run([sys.executable, "-c", api, str(spec)], cwd=ROOT, text=True,
+                                capture_output=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["steps"] == 2
+    for rank in range(2):
+        assert f"[worker {rank}] hello from rank {rank}" in result.stderr.splitlines()
+
+
 def test_local_forks_its_workers(tmp_path: Path) -> None:
     """`local`'s workers are forked from it (run.children), not fresh interpreters: its
     children, named for their ranks; SIGTERM stops them all with it."""
