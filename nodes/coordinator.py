@@ -5,6 +5,9 @@ the events it sees and carries out the decisions it gets back. Two tasks run on 
 `_receive` takes every request in arrival order, `_tick` publishes heartbeats, removes
 silent workers, and notices the end of a phase. Optimizer steps run in a thread so that the
 loop keeps publishing heartbeats meanwhile.
+
+What a step computes, and which buffer set a version is made and published in, is
+nodes.master's; the copies evaluated after training, nodes.evalpoints'.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from bus.buffers import SendBuffers, Tracker, all_done
+from bus.buffers import SendBuffers, Tracker
 from bus.codec import decode, encode
 from bus.errors import WireError
 from bus.layout import Compression
@@ -44,14 +47,16 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.pieces import Received, all_finite, fold, sum_into, whole
+from bus.pieces import Received, all_finite
 from bus.shared import Gallery, Probe, SharedTensorError, Shelf
 from bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
+from nodes.evalpoints import EvalPoints
 from nodes.flat import FlatModel
 from nodes.fold import Fold, next_to_fold, step_alpha
+from nodes.master import AllDone, Master, shared_pool, tracked, weights_gallery
 from nodes.membership import Member, Membership
 from nodes.metrics import Metrics
 from nodes.shards import ShardModel
@@ -127,51 +132,6 @@ class _Parked:
     push: bool  # a held Push counts as time the worker waited for others
 
 
-@dataclass
-class _EvalPoint:
-    """A copy of the weights taken during training, evaluated once training is over."""
-
-    version: int
-    samples: int
-    train_s: float
-    weights: tuple[torch.Tensor, ...]
-
-
-@dataclass
-class _Snapshot:
-    """The published buffers of one version (the master's own, or a relay's copy);
-    Welcome and Pull replies send them too."""
-
-    version: int
-    buffers: tuple[torch.Tensor, ...]
-    # One per send begun (a send under way is a _Pending): the pool that gets the buffers
-    # back reads this same list, so a send begun before the release still counts.
-    trackers: list[Tracker | None] = field(default_factory=list)
-
-    @property
-    def free(self) -> bool:
-        """Whether nothing reads the buffers: they may be written in place."""
-        return all_done(self.trackers)
-
-
-class _Pending:
-    """A send of a snapshot under way: done once the send has returned and ZeroMQ has let
-    go of its frames (or it failed, and sent nothing)."""
-
-    __slots__ = ("_returned", "_tracker")
-
-    def __init__(self) -> None:
-        self._returned = False
-        self._tracker: Tracker | None = None
-
-    def returned(self, tracker: Tracker | None) -> None:
-        self._returned, self._tracker = True, tracker
-
-    @property
-    def done(self) -> bool:
-        return self._returned and (self._tracker is None or self._tracker.done)
-
-
 class Coordinator:
     # The published snapshot is the master weights' own buffer set (no copy), which is then
     # never written in place (see _update). A relay loads its root's weights into its
@@ -222,15 +182,6 @@ class Coordinator:
         self._small = sum(b.numel for b in self.flat.layout.buckets) <= _SMALL_STEP
         self._compression = Compression.parse(config.compress)
         self._wire_layout = self._compression.wire(self.flat.layout)
-        # Top-k updates change few elements a version: broadcast those (nodes.changes).
-        self._differ = (changed.Differ(self.flat.layout.buckets)
-                        if self._compression.topk is not None else None)
-        # With plain SGD, a top-k update is applied at its k elements only, and those
-        # steps' elements are the Changes, with no comparison (nodes.changes.Touched).
-        self._touched = (changed.Touched(self.flat.layout.buckets)
-                         if self._compression.topk is not None and not self._weights_pushed
-                         else None)
-        self._params = list(self.model.parameters())
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -241,21 +192,20 @@ class Coordinator:
         self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
         self._target = config.steps  # in versions; or
         self._target_samples: int | None = None  # from --epochs, fixed when training starts
-        self._evals: list[_EvalPoint] = []
-        self._next_eval_s = 0.0
+        self._evals = EvalPoints(config.eval_every_s, evaluate)
         # Versions made in shared memory, which workers of this host read where they lie.
         self._gallery = gallery if pool is not None else weights_gallery(config)
         if pool is None and self._gallery is not None:
             layout = self.flat.layout
-            self._pool = shared_pool(
-                self._gallery.allocator(layout.sizes(), layout.allocate), self._gallery)
-        elif pool is None:
-            self._pool = SendBuffers(self.flat.layout.allocate)
+            pool = shared_pool(self._gallery.allocator(layout.sizes(), layout.allocate), self._gallery)
+            given = False
         else:
-            # Every version is made in the given pool's sets, the first one included.
-            self._pool = pool
-            self.flat.rebind(self._copy_weights())
-        self._snapshot: _Snapshot | None = None
+            given = pool is not None
+            pool = pool or SendBuffers(self.flat.layout.allocate)
+        self.master = Master(self.flat, self.optimizer, pool, compression=self._compression,
+                             weights_pushed=self._weights_pushed, alias=self._ALIAS)
+        if given:  # every version is made in the given pool's sets, the first one included
+            self.flat.rebind(self.master.copy())
         self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
         self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
         self._max_bytes = self.flat.layout.nbytes + 65536
@@ -341,7 +291,7 @@ class Coordinator:
             # too (a relay publishes copies of its master, not the master: see _ALIAS).
             self._gallery.open()
             if self._ALIAS:
-                self.flat.rebind(self._copy_weights())
+                self.flat.rebind(self.master.copy())
         self._done = asyncio.get_running_loop().create_future()
         self._started_at = time.monotonic()
         try:
@@ -383,7 +333,7 @@ class Coordinator:
                 self.metrics.close()
                 raise
         try:
-            self._evaluate_points()
+            self._evals.evaluate(self.master, self.metrics)
             evaluation = self._evaluate(self.model) if self._evaluate else {}
         except Exception as e:
             self.metrics.close()
@@ -519,7 +469,7 @@ class Coordinator:
                 await self._push(peer, member, message, now)
             case Pull(version=have):
                 await self._refresh_snapshot()
-                if self._snapshot is not None and have >= self._snapshot.version:
+                if self.master.snapshot is not None and have >= self.master.snapshot.version:
                     # Nothing newer: say so without resending the model.
                     await self._reply(peer, Weights(request=message.request, version=self.version))
                 else:
@@ -758,7 +708,8 @@ class Coordinator:
         for member in self._members:  # released from the barrier by this version
             if member.phase == Phase.WAITING.value and member.rank in decision.workers:
                 member.phase = Phase.COMPUTING.value
-        self._maybe_take_eval_point()
+        if self.metrics.trained_from is not None and self._evals.due(self.metrics.train_s()):
+            self._take_eval_point()
         done = self._done_share()
         if self._on_step is not None:
             self._on_step(Progress(self.version, self._target, loss, self.metrics.samples,
@@ -775,6 +726,9 @@ class Coordinator:
         elif (self.config.checkpoint_every is not None
               and self.version % self.config.checkpoint_every == 0):
             await self._checkpoint()
+
+    def _take_eval_point(self) -> None:
+        self._evals.take(self.master, self.version, self.metrics.samples, self.metrics.train_s())
 
     def _used(self, rank: int) -> None:
         """A push of `rank`'s was applied or dropped: the `local_steps` batches of its shard
@@ -804,24 +758,25 @@ class Coordinator:
         step over few parameters is taken on the loop: shorter than the hop to a thread,
         it would hold heartbeats back by less than that hop costs.
 
-        The master weights are also the published snapshot (see `_take_snapshot`): a step
-        that makes the next version from the updates alone (`_into_spare`) writes it into a
-        free buffer set, which then becomes the master; any other step writes in place, on
-        a master moved off the snapshot first (`_own_master`). A plain SGD step whose
+        The master weights are also the published snapshot (nodes.master): a step that
+        makes the next version from the updates alone (`Master.into_spare`) writes it into
+        a free buffer set, which then becomes the master; any other step writes in place,
+        on a master moved off the snapshot first (`Master.own`). A plain SGD step whose
         first pushes (of `ranks`, in the step's order) were folded in as they came
         (nodes.fold) goes on from there."""
-        lr = self._plain_lr()
+        lr = self.master.plain_lr()
         fold, self._fold = self._fold, None
         folded = (fold.folded(self.version, step_alpha(lr, scale, len(updates)), ranks)
                   if fold is not None and lr is not None else None)
         if fold is not None and folded is None:
-            self._pool.release(fold.into, [])  # it cannot serve this step
+            self.master.pool.release(fold.into, [])  # it cannot serve this step
             fold = None
         into = fold.into if fold is not None else (
-            self._pool.take() if self._into_spare(lr) else None)
+            self.master.pool.take() if self.master.into_spare(lr) else None)
         if into is None:
-            self._own_master()
-        step = functools.partial(self._step, updates, scale, into=into, folded=folded or 0)
+            self.master.own()
+        step = functools.partial(self.master.step, updates, scale, version=self.version + 1,
+                                 into=into, folded=folded or 0)
         try:
             if self._small:
                 step()
@@ -831,89 +786,17 @@ class Coordinator:
             # The step failed and is over: nothing counts what it wrote. (Cancelled, the
             # thread may still be writing: the set is let go of, not given back.)
             if into is not None:
-                self._pool.release(into, [])
+                self.master.pool.release(into, [])
             raise
         if into is not None:
-            self._adopt(into)
-
-    def _mean(self, updates: list[tuple[Received, ...]], scale: float) -> None:
-        """The mean of the updates (in the given order), times `scale`, into the gradient
-        buffers. Top-k updates are added into zeros at their indices."""
-        with torch.no_grad():
-            for b, mean in enumerate(self.flat.grads):
-                if self._compression.topk is not None:
-                    mean.zero_()
-                    for update in updates:  # small: k elements each
-                        mean.index_add_(0, whole(update[2 * b]), whole(update[2 * b + 1]))
-                    if scale / len(updates) != 1.0:  # (async: one update, unscaled; no pass)
-                        mean.mul_(scale / len(updates))
-                else:
-                    # Read where they arrived (no copy before), a block at a time.
-                    sum_into(mean, [update[b] for update in updates], scale / len(updates))
-
-    def _plain_lr(self) -> float | None:
-        """The learning rate where a step is plain SGD on pushed gradients, else None."""
-        return None if self._weights_pushed else changed.plain_sgd_lr(self.optimizer, self._params)
-
-    def _into_spare(self, lr: float | None) -> bool:
-        """Whether a step can write the next version into a spare buffer set, leaving the
-        master as it was: plain SGD on dense gradients, or the plain mean of pushed weights
-        (both read the master only, if at all). Not a relay's (see _ALIAS)."""
-        if not self._ALIAS or self._touched is not None:
-            return False
-        return lr is not None or (self._weights_pushed and self.optimizer is None
-                                  and self._compression.topk is None)
-
-    def _step(self, updates: list[tuple[Received, ...]], scale: float, *,
-              into: tuple[torch.Tensor, ...] | None = None, folded: int = 0) -> None:
-        """Average the updates and take one step with the result.
-
-        Gradients: their mean, times `scale`, goes into the gradient buffers and the
-        optimizer steps; with plain SGD (nodes.changes.plain_sgd_lr) the same
-        arithmetic is done without the buffers: block by block for dense updates, at their
-        k elements for top-k ones. Weights: their mean replaces the weights, or with an
-        outer optimizer, (weights - mean) is the gradient it steps on. With `into` (where
-        `_into_spare`), the next version goes there and the master is left as it was;
-        for plain SGD, the updates are folded into it one after the other (bus.pieces.fold),
-        the first `folded` of them already (nodes.fold).
-        """
-        lr = self._plain_lr()
-        if into is not None and not self._into_spare(lr):
-            raise ValueError("only plain SGD on dense gradients, or a plain mean of weights, "
-                             "writes into another buffer set")
-        if into is not None and lr is None:  # pushed weights: their mean, straight there
-            with torch.no_grad():
-                for b, out in enumerate(into):
-                    sum_into(out, [update[b] for update in updates], scale / len(updates))
-            return
-        if lr is not None:
-            if self._touched is not None:
-                self._sparse_step(updates, scale, lr)
-            else:  # into the spare set, or in place (a caller's own step): the same bits
-                alpha = step_alpha(lr, scale, len(updates))  # as nodes.fold's
-                with torch.no_grad():
-                    for b, weights in enumerate(self.flat.weights):
-                        out = into[b] if into is not None else weights
-                        fold(out, weights if folded == 0 else None,
-                             [update[b] for update in updates[folded:]], alpha)
-            return
-        self._mean(updates, scale)
-        with torch.no_grad():
-            for b, mean in enumerate(self.flat.grads):
-                if self._weights_pushed:
-                    if self.optimizer is None:
-                        self.flat.weights[b].copy_(mean)
-                    else:
-                        mean.sub_(self.flat.weights[b]).neg_()
-        if self.optimizer is not None:
-            self.optimizer.step()
+            self.master.adopt(into)
 
     def _fold_for(self, rank: int, message: Push) -> Fold | None:
         """The fold to fold this push into now (made if need be), or None: it is not a
         dense plain SGD step's, of the version being made, next in rank order (nodes.fold)."""
-        lr = self._plain_lr()
+        lr = self.master.plain_lr()
         quorum = self.strategy.quorum()
-        if (lr is None or quorum is None or not self._into_spare(lr)
+        if (lr is None or quorum is None or not self.master.into_spare(lr)
                 or message.version != self.version or self.state is State.STOPPING):
             return None
         alpha = step_alpha(lr, 1.0, quorum)  # as the step's (sync's scale is 1)
@@ -924,7 +807,7 @@ class Coordinator:
         if not next_to_fold(self._fold.ranks if self._fold else [], rank, members):
             return None  # (a set is taken only once there is something to fold into it)
         if self._fold is None:
-            self._fold = Fold(self.version, alpha, self._pool.take())
+            self._fold = Fold(self.version, alpha, self.master.pool.take())
         return self._fold
 
     async def _fold_in(self, fold: Fold, rank: int, message: Push) -> bool:
@@ -943,23 +826,8 @@ class Coordinator:
 
     def _let_go_of_fold(self) -> None:
         if self._fold is not None:
-            self._pool.release(self._fold.into, [])
+            self.master.pool.release(self._fold.into, [])
             self._fold = None
-
-    def _sparse_step(self, updates: list[tuple[Received, ...]], scale: float, lr: float) -> None:
-        """Plain SGD on top-k updates at their k elements, straight into the weights: the
-        step `_step` would take over their mean in a buffer of zeros (up to the order of
-        float additions), without passing over every element three times. The elements
-        written are the next Changes (see _publish_now)."""
-        assert self._touched is not None
-        alpha = -lr * scale / len(updates)
-        with torch.no_grad():
-            for b, weights in enumerate(self.flat.weights):
-                for update in updates:
-                    at = whole(update[2 * b])
-                    weights.index_add_(0, at, whole(update[2 * b + 1]), alpha=alpha)
-                    self._touched.add(b, at)
-        self._touched.made(self.version + 1)
 
     def _epochs_to_samples(self) -> int:
         """--epochs as samples to apply: passes over the shards of the workers ready now."""
@@ -1026,7 +894,7 @@ class Coordinator:
                 f"{path} was written by strategy {state['strategy']}, not "
                 f"{self.strategy.name}: resume with --strategy {state['strategy']}, or give "
                 "another --checkpoint-dir")
-        self._own_master()
+        self.master.own()
         self.flat.load(state["weights"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -1044,40 +912,6 @@ class Coordinator:
                 "shard, so the run does not retrace the one it resumes (same --workers and "
                 "--batch-size would)", *was, self.strategy.workers, self.config.batch_size)
         log.info("resumed from %s at version %d", path, self.version)
-
-    # Evaluation points -----------------------------------------------------------------
-
-    def _maybe_take_eval_point(self) -> None:
-        every = self.config.eval_every_s
-        if every is None or self.metrics.trained_from is None:
-            return
-        if self.metrics.train_s() >= self._next_eval_s:
-            self._take_eval_point()
-
-    def _take_eval_point(self) -> None:
-        every = self.config.eval_every_s
-        if every is None or self._evaluate is None:
-            return
-        train_s = self.metrics.train_s()
-        weights = tuple(w.clone() for w in self.flat.weights)
-        self._evals.append(_EvalPoint(self.version, self.metrics.samples, train_s, weights))
-        self._next_eval_s = train_s + every
-
-    def _evaluate_points(self) -> None:
-        """Evaluate the copies taken during training (after it, so as not to slow it)."""
-        if not self._evals or self._evaluate is None:
-            return
-        final = tuple(w.clone() for w in self.flat.weights)
-        self._own_master()  # the final version may still be on its way to the workers
-        try:
-            for point in self._evals:
-                self.flat.load(point.weights)
-                figures = self._evaluate(self.model)
-                self.metrics.write("eval", version=point.version, samples=point.samples,
-                                   train_s=round(point.train_s, 6), **figures)
-        finally:
-            self.flat.load(final)
-        self._evals.clear()
 
     # Sending -------------------------------------------------------------------------------
 
@@ -1102,32 +936,27 @@ class Coordinator:
             delay = min(delay * 2, 0.001)
         async with self._step_lock:  # never copy weights that a step is writing
             stopping = self.state in (State.STOPPING, State.STOPPED)
-            if not stopping and self._snapshot is not None and self._snapshot.version < self.version:
+            if not stopping and self.master.snapshot is not None and self.master.snapshot.version < self.version:
                 await self._publish_now()
 
     async def _publish_now(self) -> None:
         """Broadcast the current version: what changed since the last one published, where
-        that is little (top-k), or else the master weights themselves (see `_take_snapshot`)."""
+        that is little (top-k), or else the master weights themselves (nodes.master)."""
         assert self._server is not None
         self.metrics.broadcasts += 1
-        old = self._snapshot
-        changes = None
-        if old is not None and old.version < self.version:
-            if self._touched is not None:  # written by sparse steps only: listed as they went
-                changes = self._touched.changes(self.flat.weights, old.version, self.version)
-            if changes is None and self._differ is not None:
-                changes = self._differ(self.flat.weights, old.buffers)
+        old = self.master.snapshot
+        changes = self.master.changes(self.version)
         if changes is not None:
             assert old is not None
             message: Message = Changes(version=self.version, base=old.version, tensors=changes)
-            self._advance_snapshot(old, changes)
+            self.master.advance_snapshot(changes, self.version, self._gallery)
             self._broadcast = await self._server.publish(encode(message))
             return
-        snapshot = self._take_snapshot()
+        snapshot = self.master.take_snapshot(self.version)
         weights = Weights(version=snapshot.version, tensors=snapshot.buffers)
         sends: list[Tracker | None] = []
         if self._server.wants(TOPIC_WEIGHTS):  # (made only for someone: bus.transport)
-            sends.append(await _tracked(snapshot, self._server.publish(encode(weights), TOPIC_WEIGHTS)))
+            sends.append(await tracked(snapshot, self._server.publish(encode(weights), TOPIC_WEIGHTS)))
         if self._probe is not None and self._server.wants(TOPIC_SHARED):
             # For the workers of this host (bus.transport's topics): where the set lies in
             # our shared memory, and its generation, or else its bytes too.
@@ -1135,82 +964,22 @@ class Coordinator:
             generation = gallery.generation(snapshot.buffers) if gallery is not None else None
             frames = (encode(replace(weights, generation=generation), refer=gallery.locate)
                       if gallery is not None and generation is not None else encode(weights))
-            sends.append(await _tracked(snapshot, self._server.publish(frames, TOPIC_SHARED)))
-        self._broadcast = _AllDone(sends)
-
-    def _advance_snapshot(self, snapshot: _Snapshot, changes: tuple[torch.Tensor, ...]) -> None:
-        """Make the snapshot the current version: written in place with the changes where
-        nothing reads it (no send, no colocated worker computing on it), or else a fresh
-        copy (the old one goes back to the pool)."""
-        if snapshot.free and not self._pool.held(snapshot.buffers):
-            if self._gallery is not None:  # read by reference, maybe: written again now
-                self._gallery.bump(snapshot.buffers)
-            changed.apply(snapshot.buffers, changes)
-            snapshot.version = self.version
-            if self._touched is not None:
-                self._touched.start(self.version)
-        else:
-            self._take_snapshot()
-
-    def _take_snapshot(self) -> _Snapshot:
-        """The current weights become the snapshot that Welcome, Pull and broadcasts send:
-        the master's own buffers (from now on not written in place: see `_own_master`),
-        or, for a relay, a copy."""
-        old = self._snapshot
-        if old is not None and self._published(self.flat.weights):
-            # Published already and unchanged since (a version made without a step): the
-            # same buffers, with the sends that may still read them.
-            old.version = self.version
-        else:
-            buffers = self.flat.weights if self._ALIAS else self._copy_weights()
-            self._snapshot = _Snapshot(self.version, buffers)
-            if old is not None:
-                self._pool.release(old.buffers, old.trackers)
-        if self._touched is not None:
-            self._touched.start(self.version)
-        assert self._snapshot is not None  # made above, or kept
-        return self._snapshot
-
-    def _published(self, buffers: tuple[torch.Tensor, ...]) -> bool:
-        """Whether `buffers` are the snapshot's: sends may read them, nothing may write them."""
-        return self._snapshot is not None and self._snapshot.buffers is buffers
-
-    def _own_master(self) -> None:
-        """Before the master weights are written in place: if they are the published
-        snapshot, move the master to a copy in a free set."""
-        if self._published(self.flat.weights):
-            self.flat.rebind(self._copy_weights())
-
-    def _adopt(self, weights: tuple[torch.Tensor, ...]) -> None:
-        """Make `weights`, where a step wrote the next version, the master; the old master
-        goes back to the pool unless it is the snapshot (which gives it back when replaced)."""
-        old = self.flat.weights
-        self.flat.rebind(weights)
-        if not self._published(old):
-            self._pool.release(old, [])
+            sends.append(await tracked(snapshot, self._server.publish(frames, TOPIC_SHARED)))
+        self._broadcast = AllDone(sends)
 
     async def _refresh_snapshot(self) -> None:
         """Make the snapshot current where a broadcast is waiting (see `_publish`), so that
         a Pull or a Welcome gets the newest version, not the one still on its way out."""
-        if self._snapshot is not None and self._snapshot.version < self.version:
+        if self.master.snapshot is not None and self.master.snapshot.version < self.version:
             async with self._step_lock:  # never copy weights that a step is writing
-                if self._snapshot.version < self.version:
-                    self._take_snapshot()
-
-    def _copy_weights(self) -> tuple[torch.Tensor, ...]:
-        """The master weights copied into a snapshot buffer set from the pool (no allocation
-        once the pool holds free sets: tests/test_hot_path.py)."""
-        buffers = self._pool.take()
-        with torch.no_grad():
-            for dst, src in zip(buffers, self.flat.weights, strict=True):
-                dst.copy_(src)
-        return buffers
+                if self.master.snapshot.version < self.version:
+                    self.master.take_snapshot(self.version)
 
     async def _send_weights(self, peer: bytes, message: Welcome | Weights) -> None:
-        snapshot = self._snapshot
+        snapshot = self.master.snapshot
         assert snapshot is not None
         message = replace(message, version=snapshot.version, tensors=snapshot.buffers)
-        await _tracked(snapshot, self._reply(peer, message))
+        await tracked(snapshot, self._reply(peer, message))
 
     async def _reply(self, peer: bytes, message: Message) -> Tracker | None:
         assert self._server is not None
@@ -1368,45 +1137,3 @@ class Coordinator:
         member = self._members.get(peer)
         return f"worker {member.rank}" if member else f"peer {peer.hex()}"
 
-
-class _AllDone:
-    """Done once every one of these sends is."""
-
-    __slots__ = ("_sends",)
-
-    def __init__(self, sends: list[Tracker | None]) -> None:
-        self._sends = sends
-
-    @property
-    def done(self) -> bool:
-        return all_done(self._sends)
-
-
-def shared_pool(allocate: Callable[[], tuple[torch.Tensor, ...]], gallery: Gallery, *,
-                held: Callable[[tuple[torch.Tensor, ...]], bool] | None = None) -> SendBuffers:
-    """A pool of weight sets that `allocate` makes in `gallery`: a set's generation goes up
-    before it is written again, and it is reused only while 3 others are free, so that a
-    version's set changes versions after it was published (bus.buffers), not at the next
-    one (but for top-k's Changes, which write the last whole version's set in place:
-    `_advance_snapshot`)."""
-    return SendBuffers(allocate, keep=3, held=held, reused=gallery.bump, dropped=gallery.release)
-
-
-def weights_gallery(config: CoordinatorConfig) -> Gallery | None:
-    """Where a coordinator makes its versions for workers of its host to read by reference
-    (bus.shared.Gallery): with `config.shared_memory`, on a machine where that is safe."""
-    return Gallery() if config.shared_memory and Gallery.usable() else None
-
-
-async def _tracked(snapshot: _Snapshot, send: Awaitable[Tracker | None]) -> Tracker | None:
-    """Await a send of the snapshot's buffers; in its trackers from the start (a _Pending),
-    so that neither a step nor the pool takes the buffers back meanwhile."""
-    pending = _Pending()
-    snapshot.trackers.append(pending)
-    try:
-        tracker = await send
-    except BaseException:
-        pending.returned(None)  # it sent nothing
-        raise
-    pending.returned(tracker)
-    return tracker

@@ -205,7 +205,7 @@ class FlatModel:
     def rebind(self, weights: tuple[torch.Tensor, ...]) -> None:
         """Make `weights` (buffers of this layout, on the CPU) the model's weights: every
         parameter becomes a view into them, without a copy. The old buffers are no longer
-        the model's (the coordinator publishes them, see nodes.coordinator._adopt)."""
+        the model's (the coordinator publishes them, see nodes.master.Master.adopt)."""
         if self.device.type != "cpu":
             raise ValueError("rebind is for a model on the CPU, whose weights are sent as they are")
         if [(w.dtype, w.numel()) for w in weights] != [(b.dtype, b.numel) for b in self.layout.buckets]:

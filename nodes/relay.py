@@ -163,7 +163,7 @@ class Relay(Coordinator):
                 await self._ready
             await wait_sent(self._sent, timeout=link.timeout_s, what="the last update")
             link.load_latest()
-            await asyncio.to_thread(self._mean, updates, scale)
+            await asyncio.to_thread(self.master.mean, updates, scale)
             computed_on = link.version
             self.phase = Phase.PUSHING
             push = Push(sender=self.rank, version=computed_on, clock=self.clock, loss=loss,

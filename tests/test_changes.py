@@ -231,13 +231,13 @@ def test_a_sparse_step_gives_the_weights_of_the_full_step() -> None:
     assert all(torch.equal(a, b) for a, b in zip(sparse.flat.weights, full.flat.weights, strict=True))
     n = sparse.flat.weights[0].numel()
     updates = [(torch.randperm(n)[:204], torch.randn(204)) for _ in range(2)]
-    sparse._touched.start(0)  # type: ignore[union-attr]
+    sparse.master.touched.start(0)  # type: ignore[union-attr]
     grads_before = sparse.flat.grads[0].clone()
-    sparse._step(updates, 0.5)
-    full._step(updates, 0.5)
+    sparse.master.step(updates, 0.5, version=1)
+    full.master.step(updates, 0.5, version=1)
     assert torch.allclose(sparse.flat.weights[0], full.flat.weights[0], rtol=0, atol=1e-7)
     assert torch.equal(sparse.flat.grads[0], grads_before)  # no pass over a dense gradient
-    changes = sparse._touched.changes(sparse.flat.weights, 0, 1)  # type: ignore[union-attr]
+    changes = sparse.master.touched.changes(sparse.flat.weights, 0, 1)  # type: ignore[union-attr]
     assert changes is not None
     written = torch.cat([u[0] for u in updates]).unique()
     assert torch.equal(changes[0], written)
@@ -263,8 +263,8 @@ def test_a_plain_sgd_step_on_dense_updates_is_the_optimizers_without_its_buffers
     n = plain.flat.weights[0].numel()
     updates = [(torch.randn(n),), (torch.randn(n).to(torch.bfloat16),)]
     grads_before = plain.flat.grads[0].clone()
-    plain._step(updates, 0.5)  # type: ignore[arg-type]
-    full._step(updates, 0.5)  # type: ignore[arg-type]
+    plain.master.step(updates, 0.5, version=1)  # type: ignore[arg-type]
+    full.master.step(updates, 0.5, version=1)  # type: ignore[arg-type]
     torch.testing.assert_close(plain.flat.weights[0], full.flat.weights[0], rtol=0, atol=1e-6)
     assert not torch.equal(plain.flat.weights[0], coordinator(False).flat.weights[0])  # it stepped
     want = coordinator(False).flat.weights[0].clone()

@@ -155,8 +155,8 @@ def _tear_first_copy(worker: Worker, coordinator: Coordinator) -> None:
             with torch.no_grad():
                 for w in worker.flat.weights:
                     w.fill_(math.nan)
-            assert coordinator._gallery is not None and coordinator._snapshot is not None
-            coordinator._gallery.bump(coordinator._snapshot.buffers)
+            assert coordinator._gallery is not None and coordinator.master.snapshot is not None
+            coordinator._gallery.bump(coordinator.master.snapshot.buffers)
 
     link.load = tearing  # type: ignore[method-assign]
 
@@ -171,8 +171,8 @@ def _rewrite_first_set(worker: Worker, coordinator: Coordinator) -> None:
         if not done and on is not None:
             done.append(on.weights.version)
             # In sync, the set of the version computed on is the coordinator's snapshot.
-            assert coordinator._gallery is not None and coordinator._snapshot is not None
-            coordinator._gallery.bump(coordinator._snapshot.buffers)
+            assert coordinator._gallery is not None and coordinator.master.snapshot is not None
+            coordinator._gallery.bump(coordinator.master.snapshot.buffers)
             assert Shelf.generation(on.first) != on.generation
         return take()
 

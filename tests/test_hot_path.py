@@ -105,12 +105,12 @@ def test_no_step_after_the_first_allocates_a_gradient_sized_buffer() -> None:
                 push = decode(down.recv_multipart(copy=False), layout=layout)
                 assert isinstance(push.tensors[0], Pieces)
                 assert all(all_finite(t) for t in push.tensors)
-                coordinator._step([push.tensors], 1.0)
-                snapshot = coordinator._copy_weights()
+                coordinator.master.step([push.tensors], 1.0, version=step + 1)
+                snapshot = coordinator.master.copy()
                 down.send_multipart(encode(Weights(version=step + 1, tensors=snapshot)), copy=False)
                 weights = decode(up.recv_multipart(copy=False), layout=layout)
                 worker.load(weights.tensors)
-                coordinator._pool.release(snapshot, [])
+                coordinator.master.pool.release(snapshot, [])
             if step == 0:  # the momentum buffers and a snapshot set are made: seen
                 assert {nbytes for _, nbytes in watch.seen} >= {512 * 512 * 4, layout.nbytes}
             if step >= 2:  # they exist by now

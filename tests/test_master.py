@@ -4,7 +4,7 @@ A snapshot (what a broadcast, a Welcome or a Pull sends, zero-copy) is the maste
 set itself, not a copy. From then on the master is not written in place while a send may
 read it: a dense plain-SGD step, or a plain average of pushed weights, writes the next
 version into a free set, which becomes the master; any other step (momentum, top-k) first
-moves the master to a copy. Here the steps are the coordinator's own (`_update`), on a
+moves the master to a copy (nodes.master). Here the steps are the coordinator's own (`_update`), on a
 model of several MB; a send that is still reading is a tracker not done.
 """
 
@@ -51,7 +51,7 @@ def test_a_published_version_is_the_master_and_no_later_step_writes_it(momentum:
                        for _ in range(2)]
             await coordinator._update(updates, 1.0, loss=1.0, samples=16)
             coordinator.version += 1
-            snapshot = coordinator._take_snapshot()
+            snapshot = coordinator.master.take_snapshot(coordinator.version)
             assert snapshot.buffers is coordinator.flat.weights  # published without a copy
             sending = _Sending()
             snapshot.trackers.append(sending)
@@ -93,7 +93,7 @@ def test_sets_whose_sends_are_done_are_reused_not_allocated_again() -> None:
             update = tuple(torch.ones(b.numel) for b in layout.buckets)
             await coordinator._update([update], 1.0, loss=1.0, samples=8)
             coordinator.version += 1
-            seen.add(coordinator._take_snapshot().buffers[0].data_ptr())
+            seen.add(coordinator.master.take_snapshot(coordinator.version).buffers[0].data_ptr())
 
     asyncio.run(steps())
     assert len(seen) <= 3  # the master, the snapshot before it, and one more at most
@@ -103,11 +103,11 @@ def test_a_snapshot_taken_again_without_a_step_keeps_the_sends_that_read_it() ->
     coordinator = Coordinator(
         model=_model(), strategy=Sync(workers=1), config=CoordinatorConfig(batch_size=8, steps=10),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
-    first = coordinator._take_snapshot()
+    first = coordinator.master.take_snapshot(coordinator.version)
     sending = _Sending()
     first.trackers.append(sending)
     coordinator.version += 1  # a version made without a step (the weights did not change)
-    again = coordinator._take_snapshot()
+    again = coordinator.master.take_snapshot(coordinator.version)
     assert again is first and again.version == 1 and sending in again.trackers
     layout = coordinator.flat.layout
     published = tuple(b.clone() for b in first.buffers)
@@ -116,7 +116,7 @@ def test_a_snapshot_taken_again_without_a_step_keeps_the_sends_that_read_it() ->
         await coordinator._update([tuple(torch.ones(b.numel) for b in layout.buckets)], 1.0,
                                   loss=1.0, samples=8)
         coordinator.version += 1
-        coordinator._take_snapshot()  # the old one goes to the pool, its send still on
+        coordinator.master.take_snapshot(coordinator.version)  # the old one goes to the pool, its send still on
         await coordinator._update([tuple(torch.ones(b.numel) for b in layout.buckets)], 1.0,
                                   loss=1.0, samples=8)
 
@@ -125,12 +125,12 @@ def test_a_snapshot_taken_again_without_a_step_keeps_the_sends_that_read_it() ->
 
 
 def test_a_send_under_way_keeps_its_snapshot_busy_until_it_returns_and_is_done() -> None:
-    from nodes.coordinator import _Snapshot, _tracked
+    from nodes.master import Snapshot, tracked
 
     async def scenario() -> None:
-        snapshot = _Snapshot(0, ())
+        snapshot = Snapshot(0, ())
         returned: asyncio.Future[_Sending] = asyncio.get_running_loop().create_future()
-        send = asyncio.ensure_future(_tracked(snapshot, returned))
+        send = asyncio.ensure_future(tracked(snapshot, returned))
         await asyncio.sleep(0)
         assert not snapshot.free  # begun, not returned: the pool must not take it back
         tracker = _Sending()
@@ -152,7 +152,7 @@ def test_averaged_weights_go_into_a_spare_set_and_leave_the_published_one() -> N
 
     async def steps() -> None:
         for _ in range(3):
-            published = coordinator._take_snapshot().buffers
+            published = coordinator.master.take_snapshot(coordinator.version).buffers
             kept = tuple(b.clone() for b in published)
             pushed = [tuple(torch.randn(b.numel, generator=generator) for b in layout.buckets)
                       for _ in range(2)]
