@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e, "interrupted", 130)
     except (SpecError, ValueError, CheckpointError, MetricsError) as e:
         return fail(e, str(e), 2)
-    except (TrainingError, LocalRunError, DataError, ComputeError, PeerTimeoutError, RejectedError,
-            HandshakeError, RunFailedError, OSError) as e:
+    except (DataError, ComputeError) as e:  # the SPEC's code failed: say which SPEC's
+        return fail(e, f"SPEC {getattr(args, 'spec', '?')}: {e}", 1)
+    except (TrainingError, LocalRunError, PeerTimeoutError, RejectedError, HandshakeError,
+            RunFailedError, OSError) as e:
         return fail(e, str(e), 1)
     except Exception as e:  # noqa: BLE001 - a bug: still one line, the traceback on request
         return fail(e, f"internal error: {type(e).__name__}: {e} (a bug in tensorbus: run "

@@ -190,9 +190,23 @@ def test_a_data_shard_empty_for_a_rank(tmp_path: Path) -> None:
                       "--no-progress")
     assert done.returncode == 1
     assert _one_line(done) == (
-        "tensorbus: error: worker 1 failed (exit status 1): data(rank=1, world_size=2, "
-        "batch_size=64) yielded no batches: every rank needs at least one; use fewer workers, "
+        f"tensorbus: error: worker 1 failed (exit status 1): SPEC {spec}: data(rank=1, "
+        "world_size=2, batch_size=64) yielded no batches: every rank needs at least one; use fewer workers, "
         "a smaller --batch-size, or more data")
+
+
+def test_a_loss_that_raises_names_the_spec(tmp_path: Path) -> None:
+    spec = tmp_path / "bad_loss.py"
+    spec.write_text(Path(DIGITS).read_text() + (
+        "\n\ndef loss(output, target):\n"
+        "    raise RuntimeError('shapes do not match')\n"))
+    done = _tensorbus("local", str(spec), "--workers", "2", "--steps", "5", "--threads", "1",
+                      "--no-progress")
+    assert done.returncode == 1
+    line = _one_line(done)
+    assert line.startswith("tensorbus: error: worker "), line
+    assert line.endswith(f"SPEC {spec}: worker {line.split()[3]}: forward, loss or backward "
+                         "raised RuntimeError: shapes do not match (--debug shows the traceback)")
 
 
 def test_a_run_that_diverges_stops_with_what_to_change() -> None:

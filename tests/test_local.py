@@ -228,7 +228,7 @@ def test_data_that_raises_ends_the_run_in_one_line(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("tensorbus: error: worker ")
-    assert "data(rank=" in lines[0] and "world_size=2, batch_size=64)" in lines[0]
+    assert f"SPEC {spec}: data(rank=" in lines[0] and "world_size=2, batch_size=64)" in lines[0]
     assert lines[0].endswith("raised ValueError: no shard here (--debug shows the traceback)")
     assert _left_running(str(spec)) == []
 
