@@ -40,7 +40,7 @@ from run.options import RunOptions, make_coordinator
 from run.pernode import launch_node
 from run.progress import ProgressLine
 from run.signals import die_of, stopping_on_signals
-from run.spec import SpecError, load_spec
+from run.spec import SpecError, load_spec, said
 from run.status import StatusTable
 from strategies import STRATEGIES
 
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e, "interrupted", 130)
     except (SpecError, ValueError, CheckpointError, MetricsError) as e:
         return fail(e, str(e), 2)
-    except (DataError, ComputeError) as e:  # the SPEC's code failed: say which SPEC's
-        return fail(e, f"SPEC {getattr(args, 'spec', '?')}: {e}", 1)
+    except (DataError, ComputeError) as e:  # the SPEC's own code failed: said with its path
+        return fail(e, said(e, args.spec), 1)
     except (TrainingError, LocalRunError, PeerTimeoutError, RejectedError, HandshakeError,
             RunFailedError, OSError) as e:
         return fail(e, str(e), 1)

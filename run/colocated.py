@@ -46,7 +46,7 @@ from run.local import (
 from run.memory import keep_freed_memory
 from run.options import RunOptions, make_colocated
 from run.signals import stopping_on_signals
-from run.spec import load_spec
+from run.spec import load_spec, said
 from run.status import StatusTable
 
 KEY_NAME = "worker"  # the key pair `tensorbus keys` makes for workers, as `local` uses
@@ -213,7 +213,8 @@ def _child() -> int:
         line = sys.stdin.readline()
         if not line:
             raise LocalRunError("the launcher went away before sending the shards' addresses")
-        config = worker_config(options, rank=orders["index"], endpoints=json.loads(line)["endpoints"],
+        endpoints = json.loads(line)["endpoints"]
+        config = worker_config(options, rank=orders["index"], endpoints=endpoints,
                                device=orders["device"])
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(_serve(node.coordinator, node.run(config)))
@@ -221,7 +222,7 @@ def _child() -> int:
     except Exception as e:  # one line for the launcher, as `worker` does
         if orders["debug"]:
             logging.getLogger("tensorbus.worker").exception("worker %d failed", orders["index"])
-        print(f"{ERROR_PREFIX}{e}", file=sys.stderr, flush=True)
+        print(f"{ERROR_PREFIX}{said(e, orders['spec'])}", file=sys.stderr, flush=True)
         return 1
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import nn
 
+from nodes.worker import ComputeError, DataError
+
 # name -> (positional parameters it takes, what it is, required)
 _CONTRACT: dict[str, tuple[int, str, bool]] = {
     "model": (0, "model() -> torch.nn.Module", True),
@@ -114,3 +116,9 @@ def _takes(function: Callable[..., Any], arity: int) -> bool:
     except ValueError:  # no signature (a builtin): give it the benefit of the doubt
         return True
     return True
+
+
+def said(error: Exception, spec: str | Path) -> str:
+    """An error's one line: where the SPEC's own code failed (its data(), model or loss:
+    nodes.worker's DataError and ComputeError), with the SPEC's path."""
+    return f"SPEC {spec}: {error}" if isinstance(error, DataError | ComputeError) else str(error)

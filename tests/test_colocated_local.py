@@ -95,6 +95,25 @@ def test_a_killed_worker_ends_the_run_in_one_line(tmp_path: Path) -> None:
     assert _left_running(FORKED) == []
 
 
+def test_a_spec_whose_data_fails_on_one_rank_is_named(tmp_path: Path) -> None:
+    """Rank 1 is a forked child of the launcher (run.colocated's), not the launcher's own
+    process: its one line names the SPEC all the same."""
+    text = DIGITS.read_text() + (
+        "\n\n_all_data = data\n\n"
+        "def data(rank, world_size, batch_size):\n"
+        "    if rank == 1:\n"
+        "        raise ValueError('no shard here')\n"
+        "    return _all_data(rank, world_size, batch_size)\n")
+    spec = _spec(tmp_path, "bad_rank", text)
+    done = _run(["local", str(spec), "--workers", "2", "--colocate", "--steps", "3", *FAST])
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tensorbus: error: worker 1 failed (exit status 1): "
+                           f"SPEC {spec}: data(rank=1, world_size=2, batch_size=64) raised "
+                           "ValueError: no shard here"), last
+    assert _left_running(FORKED) == []
+
+
 def test_sigterm_checkpoints_every_shard_and_resume_goes_on(tmp_path: Path) -> None:
     spec, checkpoints, metrics = _spec(tmp_path, "stopped"), tmp_path / "ck", tmp_path / "m.jsonl"
     launcher = subprocess.Popen(
