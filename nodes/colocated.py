@@ -34,14 +34,13 @@ from bus.shared import Gallery
 from bus.transport import Hub
 from nodes.config import CoordinatorConfig, WorkerConfig
 from nodes.coordinator import Coordinator, OptimizerFactory, Progress
+from nodes.evalpoints import Evaluate
 from nodes.handover import Handover
 from nodes.link import RunFailedError
 from nodes.master import shared_pool, weights_gallery
 from nodes.shards import ShardModel
 from nodes.worker import Data, Loss, Worker, WorkerReport
 from strategies.base import PushKind, Strategy, Wait
-
-Evaluate = Callable[[nn.Module], dict[str, float]]
 
 
 class Colocated:

@@ -53,7 +53,7 @@ from bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
-from nodes.evalpoints import EvalPoints
+from nodes.evalpoints import EvalPoints, Evaluate
 from nodes.flat import FlatModel
 from nodes.fold import Fold, next_to_fold, step_alpha
 from nodes.master import AllDone, Master, shared_pool, tracked, weights_gallery
@@ -82,7 +82,6 @@ from strategies.base import (
 log = logging.getLogger("tensorbus.coordinator")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-Evaluate = Callable[[nn.Module], dict[str, float]]
 
 
 class State(str, enum.Enum):
@@ -134,8 +133,8 @@ class _Parked:
 
 class Coordinator:
     # The published snapshot is the master weights' own buffer set (no copy), which is then
-    # never written in place (see _update). A relay loads its root's weights into its
-    # master through a Link that holds those buffers, so it copies instead.
+    # never written in place (nodes.master). A relay loads its root's weights into its
+    # master through a Link that holds those buffers, so it copies instead (Master.alias).
     _ALIAS = True
 
     def __init__(
@@ -168,20 +167,19 @@ class Coordinator:
         self._hub = hub
         self.flat = FlatModel(model)
         self.lr = lr  # handed to workers that own their optimizers
-        self._weights_pushed = strategy.rhythm.push is PushKind.WEIGHTS
-        self.optimizer = self._make_optimizer(optimizer, lr)
+        weights_pushed = strategy.rhythm.push is PushKind.WEIGHTS
         self.version = 0
         self.state = State.STARTING
         self._evaluate = evaluate
         self._on_step = on_step
-        if config.compress and self._weights_pushed:
+        if config.compress and weights_pushed:
             raise ValueError(f"compress applies to pushed gradients, and {strategy.name} pushes "
                              "weights: drop it, or choose a strategy that pushes gradients")
         # What pushes must look like: the model's layout, in the compressed dtype if asked.
         # A step over this few elements takes well under a millisecond (see _update).
         self._small = sum(b.numel for b in self.flat.layout.buckets) <= _SMALL_STEP
-        self._compression = Compression.parse(config.compress)
-        self._wire_layout = self._compression.wire(self.flat.layout)
+        compression = Compression.parse(config.compress)
+        self._wire_layout = compression.wire(self.flat.layout)
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -195,16 +193,18 @@ class Coordinator:
         self._evals = EvalPoints(config.eval_every_s, evaluate)
         # Versions made in shared memory, which workers of this host read where they lie.
         self._gallery = gallery if pool is not None else weights_gallery(config)
-        if pool is None and self._gallery is not None:
-            layout = self.flat.layout
-            pool = shared_pool(self._gallery.allocator(layout.sizes(), layout.allocate), self._gallery)
-            given = False
+        layout = self.flat.layout
+        if pool is not None:
+            sets = pool
+        elif self._gallery is not None:
+            allocate = self._gallery.allocator(layout.sizes(), layout.allocate)
+            sets = shared_pool(allocate, self._gallery)
         else:
-            given = pool is not None
-            pool = pool or SendBuffers(self.flat.layout.allocate)
-        self.master = Master(self.flat, self.optimizer, pool, compression=self._compression,
-                             weights_pushed=self._weights_pushed, alias=self._ALIAS)
-        if given:  # every version is made in the given pool's sets, the first one included
+            sets = SendBuffers(layout.allocate)
+        self.master = Master(self.flat, self._make_optimizer(optimizer, lr, weights_pushed), sets,
+                             compression=compression, weights_pushed=weights_pushed,
+                             alias=self._ALIAS)
+        if pool is not None:  # every version is made in the given pool's sets, the first too
             self.flat.rebind(self.master.copy())
         self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
         self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
@@ -236,11 +236,16 @@ class Coordinator:
                                append=config.resume)
         self.watch = Watch(self.metrics, trace=config.trace)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """What steps the master weights (None: a plain average of pushed weights)."""
+        return self.master.optimizer
+
     def _make_optimizer(
-        self, optimizer: OptimizerFactory | None, lr: float
+        self, optimizer: OptimizerFactory | None, lr: float, weights_pushed: bool
     ) -> torch.optim.Optimizer | None:
         params = self.model.parameters()
-        if not self._weights_pushed:
+        if not weights_pushed:
             return (optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)))(params)
         # Workers own the optimizer; here only the optional outer one (None: plain average).
         outer = self.strategy.outer
@@ -290,7 +295,7 @@ class Coordinator:
             # Sets in shared memory from now on (until the run ends), the first version's
             # too (a relay publishes copies of its master, not the master: see _ALIAS).
             self._gallery.open()
-            if self._ALIAS:
+            if self.master.alias:
                 self.flat.rebind(self.master.copy())
         self._done = asyncio.get_running_loop().create_future()
         self._started_at = time.monotonic()
@@ -553,7 +558,8 @@ class Coordinator:
             self._not_finite[member.rank] = self._not_finite.get(member.rank, 0) + 1
             self._warn(peer, "not_finite", f"worker {member.rank} pushed a non-finite update "
                                            f"on version {message.version}")
-        elif self._compression.topk is not None and changed.out_of_range(self.flat.layout, message.tensors):
+        elif (self.master.compression.topk is not None
+              and changed.out_of_range(self.flat.layout, message.tensors)):
             decisions = [Drop(member.rank, message.version, DropReason.OUT_OF_RANGE)]
             self._warn(peer, "out_of_range", f"worker {member.rank} pushed a top-k update "
                                              "naming elements the model does not have")
@@ -708,6 +714,8 @@ class Coordinator:
         for member in self._members:  # released from the barrier by this version
             if member.phase == Phase.WAITING.value and member.rank in decision.workers:
                 member.phase = Phase.COMPUTING.value
+        # (Not before training started: the first copy is taken then, by _carry_out, and
+        # train_s() is 0 until it does.)
         if self.metrics.trained_from is not None and self._evals.due(self.metrics.train_s()):
             self._take_eval_point()
         done = self._done_share()
@@ -728,6 +736,7 @@ class Coordinator:
             await self._checkpoint()
 
     def _take_eval_point(self) -> None:
+        """A copy of the weights as they are now, evaluated after training (nodes.evalpoints)."""
         self._evals.take(self.master, self.version, self.metrics.samples, self.metrics.train_s())
 
     def _used(self, rank: int) -> None:
@@ -769,10 +778,10 @@ class Coordinator:
         folded = (fold.folded(self.version, step_alpha(lr, scale, len(updates)), ranks)
                   if fold is not None and lr is not None else None)
         if fold is not None and folded is None:
-            self.master.pool.release(fold.into, [])  # it cannot serve this step
+            self.master.let_go(fold.into)  # it cannot serve this step
             fold = None
         into = fold.into if fold is not None else (
-            self.master.pool.take() if self.master.into_spare(lr) else None)
+            self.master.spare() if self.master.into_spare(lr) else None)
         if into is None:
             self.master.own()
         step = functools.partial(self.master.step, updates, scale, version=self.version + 1,
@@ -786,7 +795,7 @@ class Coordinator:
             # The step failed and is over: nothing counts what it wrote. (Cancelled, the
             # thread may still be writing: the set is let go of, not given back.)
             if into is not None:
-                self.master.pool.release(into, [])
+                self.master.let_go(into)
             raise
         if into is not None:
             self.master.adopt(into)
@@ -807,7 +816,7 @@ class Coordinator:
         if not next_to_fold(self._fold.ranks if self._fold else [], rank, members):
             return None  # (a set is taken only once there is something to fold into it)
         if self._fold is None:
-            self._fold = Fold(self.version, alpha, self.master.pool.take())
+            self._fold = Fold(self.version, alpha, self.master.spare())
         return self._fold
 
     async def _fold_in(self, fold: Fold, rank: int, message: Push) -> bool:
@@ -826,7 +835,7 @@ class Coordinator:
 
     def _let_go_of_fold(self) -> None:
         if self._fold is not None:
-            self.master.pool.release(self._fold.into, [])
+            self.master.let_go(self._fold.into)
             self._fold = None
 
     def _epochs_to_samples(self) -> int:
@@ -936,7 +945,8 @@ class Coordinator:
             delay = min(delay * 2, 0.001)
         async with self._step_lock:  # never copy weights that a step is writing
             stopping = self.state in (State.STOPPING, State.STOPPED)
-            if not stopping and self.master.snapshot is not None and self.master.snapshot.version < self.version:
+            snapshot = self.master.snapshot
+            if not stopping and snapshot is not None and snapshot.version < self.version:
                 await self._publish_now()
 
     async def _publish_now(self) -> None:

@@ -1,7 +1,7 @@
 """Weight sets shared in one process by a colocated shard and its worker: no copy between them.
 
 A colocated shard (nodes.colocated) makes each version of its range of the model in a
-buffer set from its pool (the copy-on-write master: nodes.coordinator._update), publishes
+buffer set from its pool (the copy-on-write master: nodes.master), publishes
 it, and its worker, in the same process, would then copy that range into its own model:
 a copy of half the model each version, with two workers, on the way from the step to the
 next compute. Here the shard's pool sets are instead ranges of whole-model sets, and the

@@ -8,8 +8,10 @@ a free set of the pool, which then becomes the master (`adopt`); any other step 
 the master off the snapshot to a copy (`own`). A relay publishes copies instead
 (`alias=False`): its upstream Link loads into the master's buffers.
 
-What is here is arithmetic and buffer bookkeeping, on no loop and no socket: the coordinator
-(nodes.coordinator) decides when a step is taken, in which thread, and what is sent.
+What is here is arithmetic and buffer bookkeeping, with no socket: the coordinator
+(nodes.coordinator) decides when a step is taken, in which thread, and what is sent; it
+only tells each send of a snapshot's buffers here (`tracked`), so that no step writes them
+while one reads them.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class Master:
         outer optimizer, (weights - mean) is the gradient it steps on. With `into` (where
         `into_spare`), the next version goes there and the master is left as it was;
         for plain SGD, the updates are folded into it one after the other (bus.pieces.fold),
-        the first `folded` of them already (nodes.fold).
+        the first `folded` of them already (nodes.fold). (`version` is what top-k's sparse
+        step records as the version its elements were written for: nodes.changes.Touched.)
         """
         lr = self.plain_lr()
         if into is not None and not self.into_spare(lr):
@@ -161,6 +164,15 @@ class Master:
         self.touched.made(version)
 
     # Whose buffers ---------------------------------------------------------------------------
+
+    def spare(self) -> Buffers:
+        """A free set of the pool, for the next version to be written into (see `step`)."""
+        return self.pool.take()
+
+    def let_go(self, buffers: Buffers) -> None:
+        """Give back a set taken with `spare` that did not become the master (a step that
+        failed, a fold no step took): nothing sends it."""
+        self.pool.release(buffers, [])
 
     def published(self, buffers: Buffers) -> bool:
         """Whether `buffers` are the snapshot's: sends may read them, nothing may write them."""

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from bus.buffers import Tracker, wait_sent
@@ -74,7 +75,6 @@ class Relay(Coordinator):
         config = replace(config, steps=sys.maxsize, epochs=None)
         super().__init__(model=model, strategy=strategy, config=config, optimizer=optimizer,
                          on_step=on_step)
-        self.optimizer = None  # the root steps; here only means are taken
         self.rank = -1  # upstream
         self.phase = Phase.JOINING  # upstream, as a worker of the root
         self.clock = 0
@@ -84,6 +84,10 @@ class Relay(Coordinator):
         self._ready: asyncio.Task[Any] | None = None
         self._sent: Tracker | None = None
         self._lost: asyncio.Future[Exception] | None = None
+
+    def _make_optimizer(self, optimizer: OptimizerFactory | None, lr: float,
+                        weights_pushed: bool) -> torch.optim.Optimizer | None:
+        return None  # the root steps; here only means are taken
 
     async def run(self, *, before_evaluate: Any = None) -> dict[str, Any]:
         """Join the root, then serve the local workers until the root stops."""

@@ -17,7 +17,8 @@ from bus.layout import Compression
 from bus.security import load_server_keys
 from nodes.colocated import Colocated
 from nodes.config import CoordinatorConfig
-from nodes.coordinator import Coordinator, Evaluate, Progress
+from nodes.coordinator import Coordinator, Progress
+from nodes.evalpoints import Evaluate
 from nodes.shards import ShardModel, assemble
 from run.faults import parse_local
 from run.spec import Spec

@@ -23,7 +23,7 @@ def _weight_sum(model: nn.Module) -> dict[str, float]:
     return {"sum": float(sum(p.detach().sum() for p in model.parameters()))}
 
 
-def test_each_copy_is_evaluated_as_it_was_taken_and_the_final_weights_come_back(tmp_path: Path) -> None:
+def test_each_copy_is_evaluated_as_taken_and_the_final_weights_come_back(tmp_path: Path) -> None:
     torch.manual_seed(0)
     master = Coordinator(model=nn.Linear(6, 3), strategy=Sync(workers=1),
                          config=CoordinatorConfig(batch_size=4, steps=5)).master
@@ -45,14 +45,19 @@ def test_each_copy_is_evaluated_as_it_was_taken_and_the_final_weights_come_back(
     assert [r["sum"] for r in lines] == pytest.approx(sums)
     assert len(set(sums)) == 3  # (each copy is of its own version)
     assert all(torch.equal(a, b) for a, b in zip(master.flat.weights, final, strict=True))
+    metrics = Metrics(tmp_path / "again.jsonl", strategy="sync", workers=1)
     points.evaluate(master, metrics)  # evaluated once: forgotten after
+    metrics.close()
+    assert (tmp_path / "again.jsonl").read_text() == ""
 
 
-def test_without_a_period_or_an_evaluate_nothing_is_taken() -> None:
+def test_without_a_period_or_an_evaluate_nothing_is_taken(tmp_path: Path) -> None:
     master = Coordinator(model=nn.Linear(6, 3), strategy=Sync(workers=1),
                          config=CoordinatorConfig(batch_size=4, steps=5)).master
-    assert not EvalPoints(None, _weight_sum).due(10.0)
-    assert not EvalPoints(1.0, None).due(10.0)
-    idle = EvalPoints(1.0, None)
-    idle.take(master, 1, samples=4, train_s=0.0)
-    assert idle._points == []
+    for points in (EvalPoints(None, _weight_sum), EvalPoints(1.0, None)):
+        assert not points.due(10.0)
+        points.take(master, 1, samples=4, train_s=10.0)
+        metrics = Metrics(tmp_path / "m.jsonl", strategy="sync", workers=1)
+        points.evaluate(master, metrics)
+        metrics.close()
+        assert (tmp_path / "m.jsonl").read_text() == ""

@@ -4,8 +4,8 @@ A snapshot (what a broadcast, a Welcome or a Pull sends, zero-copy) is the maste
 set itself, not a copy. From then on the master is not written in place while a send may
 read it: a dense plain-SGD step, or a plain average of pushed weights, writes the next
 version into a free set, which becomes the master; any other step (momentum, top-k) first
-moves the master to a copy (nodes.master). Here the steps are the coordinator's own (`_update`), on a
-model of several MB; a send that is still reading is a tracker not done.
+moves the master to a copy (nodes.master). Here the steps are the coordinator's own
+(`_update`), on a model of several MB; a send that is still reading is a tracker not done.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def test_a_snapshot_taken_again_without_a_step_keeps_the_sends_that_read_it() ->
         await coordinator._update([tuple(torch.ones(b.numel) for b in layout.buckets)], 1.0,
                                   loss=1.0, samples=8)
         coordinator.version += 1
-        coordinator.master.take_snapshot(coordinator.version)  # the old one goes to the pool, its send still on
+        # The old one goes to the pool, its send still on.
+        coordinator.master.take_snapshot(coordinator.version)
         await coordinator._update([tuple(torch.ones(b.numel) for b in layout.buckets)], 1.0,
                                   loss=1.0, samples=8)
 

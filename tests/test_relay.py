@@ -95,6 +95,15 @@ def test_a_relay_that_pushes_gradients_under_an_averaging_root_is_refused() -> N
         _tree(PeriodicAveraging(workers=1, average_every=2), Sync, steps=2, relays=1)
 
 
+def test_a_relay_steps_nothing_whatever_optimizer_it_is_given() -> None:
+    """The root steps; a relay only takes means (a relay with an optimizer would make plain
+    SGD steps of its own, by nodes.master's reading of it)."""
+    relay = Relay(model=digits.model(), strategy=Sync(workers=1), optimizer=sgd,
+                  config=CoordinatorConfig(steps=1), upstream="tcp://127.0.0.1:1")
+    assert relay.optimizer is None and relay.master.optimizer is None
+    assert relay.master.plain_lr() is None and not relay.master.into_spare(None)
+
+
 def test_a_root_that_fails_fails_its_relays_and_their_workers() -> None:
     """The root's failure reaches the whole tree: each relay fails with it and tells its
     workers, which fail too (no node of a failed run ends as if it had ended well)."""
