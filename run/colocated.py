@@ -97,8 +97,10 @@ async def launch_colocated(
         either: set[asyncio.Future[Any]] = {training, failure}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
+            # The others cannot go on: ended at once, while our own side winds down (its
+            # worker's goodbye to the lost shard waits out its timeout meanwhile).
             training.cancel()
-            await asyncio.gather(training, return_exceptions=True)
+            await asyncio.gather(training, _reap(children, timeout=0.0), return_exceptions=True)
             raise LocalRunError(_fatal(failure.result()))
         summary, _ = training.result()
         await _reap(children, timeout=REAP_TIMEOUT_S)
