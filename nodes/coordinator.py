@@ -611,19 +611,43 @@ class Coordinator:
             else:
                 await self._answer(peer, member, message.request, decisions, now, push=True)
         await self._carry_out(decisions)
-        if self.state in (State.STARTING, State.TRAINING) and all(
-                self._not_finite.get(m.rank, 0) >= _DIVERGED_AFTER for m in self._members):
-            # Every worker computes NaN again from the same weights: waiting will not mend it.
-            if self.state is State.STARTING:  # no step taken: the lr is not the cause
-                await self._fail(
-                    f"every worker's first {_DIVERGED_AFTER} updates were not finite (NaN "
-                    "or inf), on the initial weights, before any step: the SPEC's model(), "
-                    "loss() or data() gives them: check them on one batch")
-            else:
-                await self._fail(
-                    f"training diverged: every worker's last {_DIVERGED_AFTER} updates were "
-                    f"not finite (NaN or inf), at version {self.version}: lower --lr, or use "
-                    "a larger --batch-size")
+        if self.state in (State.STARTING, State.TRAINING):
+            await self._check_finite()
+
+    async def _check_finite(self) -> None:
+        """Fail the run once no version can come of the updates pushed: the last
+        _DIVERGED_AFTER of every worker's were not finite, or of every worker's that the
+        others wait on (at sync's barrier with a finite update, or held by ssp's bound):
+        those never push again until a version comes, so their count would never rise."""
+        bad = sorted(m.rank for m in self._members
+                     if self._not_finite.get(m.rank, 0) >= _DIVERGED_AFTER)
+        waiting = sorted(m.rank for m in self._members if m.rank not in bad
+                         and (m.rank in self._held or m.rank in self._parked))
+        if not bad or len(bad) + len(waiting) < len(self._members):
+            return
+        started = self.state is State.TRAINING
+        which = "last" if started else "first"
+        where = f"at version {self.version}" if started else "on the initial weights, before any step"
+        if waiting:  # some workers' updates are finite: look at those that are not first
+            ones, others = len(bad) > 1, len(waiting) > 1
+            await self._fail(
+                f"the {which} {_DIVERGED_AFTER} updates of worker{'s' * ones} "
+                f"{_listed(bad)} were not finite (NaN or inf), {where}, while worker"
+                f"{'s' * others} {_listed(waiting)} wait{'' if others else 's'} for "
+                f"{'them' if ones else 'it'} with finite ones: the SPEC's data() for "
+                f"{'those ranks' if ones else 'that rank'} (or the model or loss on its batches) "
+                "gives them: check it on one batch"
+                + ("; or training is diverging: lower --lr" if started else ""))
+        elif not started:  # no step taken: the lr is not the cause
+            await self._fail(
+                f"every worker's first {_DIVERGED_AFTER} updates were not finite (NaN "
+                "or inf), on the initial weights, before any step: the SPEC's model(), "
+                "loss() or data() gives them: check them on one batch")
+        else:  # every worker computes NaN again from the same weights: waiting will not mend it
+            await self._fail(
+                f"training diverged: every worker's last {_DIVERGED_AFTER} updates were "
+                f"not finite (NaN or inf), at version {self.version}: lower --lr, or use "
+                "a larger --batch-size")
 
     async def _answer(
         self, peer: bytes, member: Member, request: int, decisions: list[Decision], now: float,
@@ -1147,3 +1171,8 @@ class Coordinator:
         member = self._members.get(peer)
         return f"worker {member.rank}" if member else f"peer {peer.hex()}"
 
+
+def _listed(ranks: list[int]) -> str:
+    """Ranks as a sentence says them: 1; 1 and 2; 1, 2 and 3."""
+    words = [str(r) for r in ranks]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"

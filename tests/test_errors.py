@@ -236,6 +236,32 @@ def test_a_loss_that_is_nan_from_the_start_stops_at_once(tmp_path: Path) -> None
         "them: check them on one batch")
 
 
+@pytest.mark.parametrize("strategy", [["--strategy", "sync"], ["--strategy", "ssp", "--staleness", "0"]],
+                         ids=["sync", "ssp"])
+def test_one_rank_whose_updates_are_nan_stops_the_run_and_is_named(
+        tmp_path: Path, strategy: list[str]) -> None:
+    """The others wait on it with finite updates (at the barrier, or held by ssp's bound)
+    and push no more: it is named within seconds, where the run spun for ever."""
+    spec = tmp_path / "nan_rank.py"
+    spec.write_text(Path(DIGITS).read_text() + (
+        "\n_data = data\n\n\ndef data(rank, world_size, batch_size):\n"
+        "    batches = list(_data(rank, world_size, batch_size))\n"
+        "    if rank != 1:\n        return batches\n"
+        "    return [(x * float('nan'), y) for x, y in batches]\n"))
+    started = time.monotonic()
+    done = _tensorbus("local", str(spec), "--workers", "3", "--steps", "50", *strategy,
+                      "--threads", "1", "--no-progress")
+    assert time.monotonic() - started < 30
+    assert done.returncode == 1
+    line = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"tensorbus: error: the (first|last) 8 updates of worker 1 were not finite \(NaN or "
+        r"inf\), (on the initial weights, before any step|at version \d+), while workers 0 "
+        r"and 2 wait for it with finite ones: the SPEC's data\(\) for that rank \(or the "
+        r"model or loss on its batches\) gives them: check it on one batch"
+        r"(; or training is diverging: lower --lr)?", line), line
+
+
 def test_workers_that_joined_but_never_pushed(tmp_path: Path) -> None:
     """Every worker joined, and no version came within --join-timeout: said so, not
     counted as workers that never joined."""
