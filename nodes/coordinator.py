@@ -365,6 +365,7 @@ class Coordinator:
         if member is None or self._done is None or self._done.done():
             return False
         await self._depart(member, why, lost=True)
+        await self._check_minimum()
         await self._carry_out(self.strategy.handle(Left(rank, time.monotonic())))
         return True
 
@@ -485,6 +486,7 @@ class Coordinator:
                 await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})")
                 if reason == "error":
                     self._errors.append(f"worker {member.rank}: {detail}")
+                await self._check_minimum()
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             case _:
                 await self._refuse(peer, message, RejectCode.UNEXPECTED, "not taken here")
@@ -1043,6 +1045,7 @@ class Coordinator:
             await self._server.publish(encode(Heartbeat(version=self.version, phase=self.state.value)))
             for member in self._members.silent(now, self.config.timeout_s):
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
+                await self._check_minimum()
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))
             await self._check_phase(now)
@@ -1072,6 +1075,15 @@ class Coordinator:
                     f"{self.config.join_timeout_s:.0f} s: "
                     + (f"their pushes were dropped ({dropped})" if dropped else
                        "no push came (still loading data? --join-timeout waits longer)"))
+        await self._check_minimum()
+        if self.state is State.STOPPING and (len(self._members) == 0 or now > self._stop_deadline):
+            if len(self._members):
+                log.warning("%d worker(s) did not leave in time", len(self._members))
+            self._enter(State.STOPPED, "workers released")
+
+    async def _check_minimum(self) -> None:
+        """Fail the run if fewer workers than the minimum are left in it: at once, as the
+        one that leaves goes (a checkpoint then holds the last version of enough workers)."""
         if self.state is State.TRAINING and len(self._members) < self.config.min_workers:
             why = "; ".join(self._errors) or "the others left or went silent"
             lost = ", ".join(f"{w['rank']} (at version {w['version']}, {w['phase']})"
@@ -1081,10 +1093,6 @@ class Coordinator:
                 f"the minimum of {self.config.min_workers}: {why}"
                 + (f"; lost: {lost}" if lost else "")
             )
-        if self.state is State.STOPPING and (len(self._members) == 0 or now > self._stop_deadline):
-            if len(self._members):
-                log.warning("%d worker(s) did not leave in time", len(self._members))
-            self._enter(State.STOPPED, "workers released")
 
     async def _fail(self, why: str) -> None:
         """End the run with an error: checkpoint (to resume once workers are back), tell the

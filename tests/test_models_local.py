@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -115,6 +116,26 @@ def test_average_runs_local_steps_between_averages(tmp_path: Path) -> None:
     assert summary["steps"] == 6
     assert summary["samples"] == 6 * 2 * 4 * 16  # versions x workers x local steps x batch
     assert all(c["applied"] == 6 for c in summary["per_worker"].values())
+
+
+def test_a_crash_below_the_minimum_ends_the_run_at_the_version_it_came(tmp_path: Path) -> None:
+    """At once, as the launcher sees the worker die: not at the next heartbeat, after
+    training on with too few workers (the checkpoint would hold those versions)."""
+    spec, checkpoints = tmp_path / "digits.py", tmp_path / "ck"
+    shutil.copy(DIGITS, spec)
+    done = subprocess.run(
+        [sys.executable, "-m", "run", "local", str(spec), "--workers", "3", "--min-workers", "3",
+         "--threads", "1", "--no-progress", "--heartbeat", "2", "--steps", "100000",
+         "--fault=crash:2:10", "--checkpoint-dir", str(checkpoints)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    found = re.fullmatch(r"tensorbus: error: 2 worker\(s\) left at version (\d+), fewer than the "
+                         r"minimum of 3: .*; lost: 2 \(at version \d+, \w+\)", last)
+    assert found, last
+    version = int(found[1])
+    assert version <= 10  # (its 10th push was its last: no version without it after)
+    assert [p.name for p in checkpoints.glob("ckpt-*.pt")] == [f"ckpt-{version:09d}.pt"]
 
 
 def test_a_crashed_worker_is_removed_and_the_run_finishes(tmp_path: Path) -> None:
