@@ -33,11 +33,12 @@ from bus.layout import Layout
 from bus.shared import Gallery
 from bus.transport import Hub
 from nodes.config import CoordinatorConfig, WorkerConfig
-from nodes.coordinator import Coordinator, OptimizerFactory, Progress
+from nodes.coordinator import Coordinator, Progress
 from nodes.evalpoints import Evaluate
 from nodes.handover import Handover
 from nodes.link import RunFailedError
 from nodes.master import shared_pool, weights_gallery
+from nodes.optimizers import OptimizerFactory
 from nodes.shards import ShardModel
 from nodes.worker import Data, Loss, Worker, WorkerReport
 from strategies.base import PushKind, Strategy, Wait

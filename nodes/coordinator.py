@@ -53,12 +53,13 @@ from bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
 from nodes import changes as changed
 from nodes import checkpoint
 from nodes.config import CoordinatorConfig
-from nodes.evalpoints import EvalPoints, Evaluate
+from nodes.evalpoints import EvalPoints, Evaluate, EvaluateError, figures
 from nodes.flat import FlatModel
 from nodes.fold import Fold, next_to_fold, step_alpha
 from nodes.master import AllDone, Master, shared_pool, tracked, weights_gallery
 from nodes.membership import Member, Membership
 from nodes.metrics import Metrics
+from nodes.optimizers import OptimizerFactory, make_optimizer
 from nodes.shards import ShardModel
 from nodes.watch import Status, Watch
 from strategies.base import (
@@ -81,7 +82,6 @@ from strategies.base import (
 
 log = logging.getLogger("tensorbus.coordinator")
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class State(str, enum.Enum):
@@ -246,7 +246,7 @@ class Coordinator:
     ) -> torch.optim.Optimizer | None:
         params = self.model.parameters()
         if not weights_pushed:
-            return (optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)))(params)
+            return make_optimizer(optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)), params)
         # Workers own the optimizer; here only the optional outer one (None: plain average).
         outer = self.strategy.outer
         if outer is None:
@@ -339,10 +339,12 @@ class Coordinator:
                 raise
         try:
             self._evals.evaluate(self.master, self.metrics)
-            evaluation = self._evaluate(self.model) if self._evaluate else {}
-        except Exception as e:
-            self.metrics.close()
-            raise TrainingError(f"evaluate() raised {type(e).__name__}: {e}") from e
+            evaluation = (figures(self._evaluate, self.model, taken=self.metrics.summary({}))
+                          if self._evaluate else {})
+        except EvaluateError as e:
+            # What training made is kept: the summary without the evaluation.
+            self.metrics.close(self.metrics.summary({}))
+            raise TrainingError(str(e)) from e.__cause__
         summary = self.metrics.summary(evaluation)
         self.metrics.close(summary)
         return summary
@@ -1088,11 +1090,10 @@ class Coordinator:
             why = "; ".join(self._errors) or "the others left or went silent"
             lost = ", ".join(f"{w['rank']} (at version {w['version']}, {w['phase']})"
                              for w in self.metrics.lost)
-            await self._fail(
-                f"{len(self._members)} worker(s) left at version {self.version}, fewer than "
-                f"the minimum of {self.config.min_workers}: {why}"
-                + (f"; lost: {lost}" if lost else "")
-            )
+            left = (f"no worker is left at version {self.version}" if not self._members else
+                    f"{len(self._members)} worker(s) left at version {self.version}, fewer "
+                    f"than the minimum of {self.config.min_workers}")
+            await self._fail(f"{left}: {why}" + (f"; lost: {lost}" if lost else ""))
 
     async def _fail(self, why: str) -> None:
         """End the run with an error: checkpoint (to resume once workers are back), tell the

@@ -4,7 +4,7 @@ taken every `eval_every_s` seconds of training time, evaluated once training is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +14,41 @@ from nodes.master import Master
 from nodes.metrics import Metrics
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
+
+# The fields of an `eval` line that evaluate()'s names must not overwrite.
+_EVAL_FIELDS = ("event", "wall_s", "version", "samples", "train_s")
+
+
+class EvaluateError(Exception):
+    """evaluate() raised, or returned something other than names to numbers; the message
+    says which."""
+
+
+def figures(evaluate: Evaluate, model: nn.Module, *, taken: Collection[str] = ()) -> dict[str, float]:
+    """evaluate(model) as names to floats (a tensor of one element, or a numpy number, is
+    taken as its value), so that the metrics file and the summary can hold them; names in
+    `taken` are the record's own. EvaluateError if it raised or returned anything else."""
+    try:
+        result = evaluate(model)
+    except Exception as e:
+        raise EvaluateError(f"evaluate() raised {type(e).__name__}: {e}") from e
+    if not isinstance(result, Mapping):
+        raise EvaluateError(f"evaluate(model) returned {type(result).__name__}: it must return "
+                            "a dict of names to numbers, such as {'accuracy': 0.91}")
+    numbers = {}
+    for name, value in result.items():
+        if not isinstance(name, str) or name in taken:
+            raise EvaluateError(
+                f"evaluate(model) returned the name {name!r}, which "
+                + ("is not a str" if not isinstance(name, str) else "the summary uses for its own")
+                + f": name its figures otherwise (taken: {', '.join(sorted(taken))})")
+        try:
+            numbers[name] = float(value)
+        except Exception:  # noqa: BLE001 - whatever float() refuses is said so
+            raise EvaluateError(
+                f"evaluate(model) returned {name!r} as {type(value).__name__}, not a number: "
+                "give a float (or a tensor of one element, or a numpy number)") from None
+    return numbers
 
 
 @dataclass
@@ -59,9 +94,9 @@ class EvalPoints:
         try:
             for point in self._points:
                 flat.load(point.weights)
-                figures = self._evaluate(flat.module)
+                said = figures(self._evaluate, flat.module, taken=_EVAL_FIELDS)
                 metrics.write("eval", version=point.version, samples=point.samples,
-                              train_s=round(point.train_s, 6), **figures)
+                              train_s=round(point.train_s, 6), **said)
         finally:
             flat.load(final)
         self._points.clear()

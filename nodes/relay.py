@@ -38,9 +38,10 @@ from bus.messages import Ack, Phase, Push, Ready, RejectCode
 from bus.pieces import Received
 from bus.security import ClientKeys
 from nodes.config import CoordinatorConfig
-from nodes.coordinator import Coordinator, OptimizerFactory, Progress, State
+from nodes.coordinator import Coordinator, Progress, State
 from nodes.link import Link, Stopped
 from nodes.membership import Membership
+from nodes.optimizers import OptimizerFactory
 from strategies.base import PushKind, Strategy, Wait
 
 log = logging.getLogger("tensorbus.relay")

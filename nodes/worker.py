@@ -43,6 +43,7 @@ from nodes.config import WorkerConfig
 from nodes.flat import FlatModel
 from nodes.handover import Handover
 from nodes.link import Link, Newer, RunFailedError, Stopped
+from nodes.optimizers import OptimizerFactory, make_optimizer
 from nodes.outbox import Keeping, Outbox
 from strategies.base import PushKind, Wait
 
@@ -58,7 +59,6 @@ COPY_AFTER_REDO = (2, 64)
 
 Data = Callable[[int, int, int], Iterable[Any]]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class DataError(Exception):
@@ -291,7 +291,7 @@ class Worker:
             make = self._make_optimizer or (lambda ps: torch.optim.SGD(ps, lr=welcome.lr))
             # In a thread: a first optimizer may import for seconds (torch._dynamo), and the
             # loop must keep beating meanwhile.
-            self._optimizer = await asyncio.to_thread(make, self._model.parameters())
+            self._optimizer = await asyncio.to_thread(make_optimizer, make, self._model.parameters())
         # Async holds nobody back: the next gradient is computed, into the other set of
         # buffers, while this one is on the wire (its answers are taken meanwhile).
         pipelined = wait is Wait.NOTHING and not weights_pushed
@@ -535,9 +535,16 @@ class Worker:
             self._on_range = finish if pushes_gradient else None
             try:
                 loss = self._loss(self._model(inputs), targets)
+                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                    raise _NotALoss(loss)
                 figure = float(loss.detach())
                 self._forward = (figure, len(inputs))  # what an early push reports
                 loss.backward()
+            except _NotALoss as e:
+                raise ComputeError(
+                    f"worker {self.rank}: loss(output, target) returned {e}, not a tensor of one "
+                    "element: return the loss over the batch as a tensor (its mean, as "
+                    "torch.nn.functional.cross_entropy gives)") from None
             except Exception as e:
                 raise ComputeError(
                     f"worker {self.rank}: forward, loss or backward raised {type(e).__name__}: {e}"
@@ -696,7 +703,13 @@ class _Epochs:
     def __init__(self, shards: Iterable[Any], described: str) -> None:
         self._shards = shards
         self._described = described
-        self._it: Iterator[Any] = iter(shards)
+        try:
+            self._it: Iterator[Any] = iter(shards)
+        except TypeError:
+            raise DataError(f"{described} returned {type(shards).__name__}, not an iterable of "
+                            "(input, target) batches: return a list of them, or a DataLoader"
+                            ) from None
+        self._taken = False  # whether a pass has yielded a batch yet
         self.length = len(shards) if isinstance(shards, Sized) else -1  # -1: unknown
         self.position = 0  # batches taken since the first
 
@@ -719,16 +732,31 @@ class _Epochs:
                 self._it = iter(self._shards)
                 batch = next(self._it)
         except StopIteration:
+            if self._taken:  # its first pass had batches, and the next none
+                raise DataError(
+                    f"{self._described} yielded no batches on its second pass: a generator "
+                    "or an iterator is read only once, and each epoch reads the data again: "
+                    "return something that iterates anew (a list, a DataLoader, or a class "
+                    "with __iter__)") from None
             raise DataError(f"{self._described} yielded no batches: every rank needs at least "
                             "one; use fewer workers, a smaller --batch-size, or more data") from None
         except Exception as e:
             raise DataError(f"iterating {self._described} raised {type(e).__name__}: {e}") from e
         self.position += 1
+        self._taken = True
         if not (isinstance(batch, tuple | list) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
             raise DataError(f"{self._described} must yield (input, target) tensor pairs, "
                             f"got {type(batch).__name__}")
         return batch[0], batch[1]
+
+
+class _NotALoss(Exception):
+    """What loss() returned was no loss: its message says what it was."""
+
+    def __init__(self, returned: Any) -> None:
+        super().__init__(f"a tensor of shape {tuple(returned.shape)}"
+                         if isinstance(returned, torch.Tensor) else type(returned).__name__)
 
 
 class _Rewritten(Exception):

@@ -8,6 +8,7 @@ once; each refused worker is a real process that must give up at once, not at it
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -207,6 +208,54 @@ def test_a_loss_that_raises_names_the_spec(tmp_path: Path) -> None:
     assert line.startswith("tensorbus: error: worker "), line
     assert line.endswith(f"SPEC {spec}: worker {line.split()[3]}: forward, loss or backward "
                          "raised RuntimeError: shapes do not match (--debug shows the traceback)")
+
+
+_MISTAKES = {
+    "data-none": (
+        "def data(rank, world_size, batch_size):\n    return None\n",
+        ("SPEC {spec}: data(rank=1, world_size=2, batch_size=64) returned NoneType, not an "
+         "iterable of (input, target) batches: return a list of them, or a DataLoader")),
+    "data-generator": (
+        ("_data = data\n\n\ndef data(rank, world_size, batch_size):\n"
+         "    return (b for b in _data(rank, world_size, batch_size))\n"),
+        ("data(rank={rank}, world_size=2, batch_size=64) yielded no batches on its second pass: "
+         "a generator or an iterator is read only once, and each epoch reads the data again: "
+         "return something that iterates anew (a list, a DataLoader, or a class with __iter__)")),
+    "loss-per-sample": (
+        ("import torch.nn.functional as F\n\n\ndef loss(output, target):\n"
+         "    return F.cross_entropy(output, target, reduction='none')\n"),
+        ("loss(output, target) returned a tensor of shape (64,), not a tensor of one element: "
+         "return the loss over the batch as a tensor (its mean, as "
+         "torch.nn.functional.cross_entropy gives)")),
+    "optimizer-none": (
+        "def optimizer(params):\n    return None\n",
+        ("optimizer(params) returned NoneType, not a torch.optim.Optimizer: return the "
+         "optimizer it makes (or define no optimizer() for SGD with --lr)")),
+    "evaluate-float": (
+        "def evaluate(model):\n    return 0.5\n",
+        ("evaluate(model) returned float: it must return a dict of names to numbers, such as "
+         "{{'accuracy': 0.91}}")),
+}
+
+
+@pytest.mark.parametrize("mistake", list(_MISTAKES))
+def test_a_spec_function_that_returns_the_wrong_thing_is_said_so(tmp_path: Path, mistake: str) -> None:
+    """Each is the SPEC's mistake, said in one line with what to return: not an internal
+    error, a silent run on garbage (optimizer() returning None), nor a wrong hint."""
+    body, says = _MISTAKES[mistake]
+    spec = tmp_path / f"{mistake}.py"
+    spec.write_text(Path(DIGITS).read_text() + "\n\n" + body)
+    # (--steps 20: past the first pass of a rank's 14 batches.)
+    done = _tensorbus("local", str(spec), "--workers", "2", "--steps", "20", "--threads", "1",
+                      "--no-progress", "--metrics", str(tmp_path / "m.jsonl"))
+    assert done.returncode in (1, 2), done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tensorbus: error: "), last
+    assert any(last.endswith(says.format(spec=spec, rank=rank)) for rank in (0, 1)), last
+    assert "internal error" not in last and "--debug" not in last
+    if mistake == "evaluate-float":  # what training made is kept all the same
+        records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+        assert records[-1]["event"] == "summary" and records[-1]["steps"] == 20
 
 
 def test_a_run_that_diverges_stops_with_what_to_change() -> None:

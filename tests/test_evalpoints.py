@@ -5,6 +5,7 @@ and the final weights are the master's again afterwards."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from nodes import Coordinator, CoordinatorConfig
-from nodes.evalpoints import EvalPoints
+from nodes.evalpoints import EvalPoints, EvaluateError, figures
 from nodes.metrics import Metrics
 from strategies import Sync
 
@@ -61,3 +62,34 @@ def test_without_a_period_or_an_evaluate_nothing_is_taken(tmp_path: Path) -> Non
         points.evaluate(master, metrics)
         metrics.close()
         assert (tmp_path / "m.jsonl").read_text() == ""
+
+
+def test_figures_are_numbers_whatever_number_type_evaluate_gives() -> None:
+    import numpy as np
+
+    said = figures(lambda m: {"a": torch.tensor(0.25), "b": np.float32(1.5), "c": 3, "d": [2.0][0]},
+                   nn.Linear(2, 2))
+    assert said == {"a": 0.25, "b": 1.5, "c": 3.0, "d": 2.0}
+    assert all(type(v) is float for v in said.values())  # (json.dumps takes them all)
+
+
+@pytest.mark.parametrize(("result", "says"), [
+    ({"acc": torch.ones(3)}, "returned 'acc' as Tensor, not a number"),
+    ({"acc": "high"}, "returned 'acc' as str, not a number"),
+    ({1: 0.5}, "returned the name 1, which is not a str"),
+    ({"steps": 5}, "returned the name 'steps', which the summary uses for its own"),
+    ([0.5], "returned list: it must return a dict of names to numbers"),
+])
+def test_what_is_not_names_to_numbers_is_said_so(result: object, says: str) -> None:
+    with pytest.raises(EvaluateError, match=re.escape(says)) as raised:
+        figures(lambda m: result, nn.Linear(2, 2), taken=("steps",))  # type: ignore[arg-type, return-value]
+    assert raised.value.__cause__ is None  # (the SPEC's traceback would not help)
+
+
+def test_an_evaluate_that_raises_is_said_with_its_cause() -> None:
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        raise KeyError("test set")
+
+    with pytest.raises(EvaluateError, match=re.escape("evaluate() raised KeyError: 'test set'")) as e:
+        figures(evaluate, nn.Linear(2, 2))
+    assert isinstance(e.value.__cause__, KeyError)
