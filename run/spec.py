@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,8 +98,18 @@ def _import(text: str) -> ModuleType | Any:
             raise SpecError(f"SPEC {text}: importing it raised {type(e).__name__}: {e}") from e
         return module
     module_name, _, attribute = text.partition(":")
+    # As `python -m` has it: modules in the current folder can be named (the tensorbus
+    # script's own folder is first on the path instead).
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):
+            raise SpecError(f"SPEC {text}: importing {module_name} raised ModuleNotFoundError: "
+                            f"{e}") from e
+        raise SpecError(f"SPEC {text}: no module {e.name} here: run from the folder that holds "
+                        "it, or put that folder on PYTHONPATH (or give the file's path)") from None
     except Exception as e:
         raise SpecError(f"SPEC {text}: importing {module_name} raised {type(e).__name__}: {e}") from e
     if not attribute:

@@ -66,7 +66,7 @@ def test_import_failures_and_missing_files_are_one_line(tmp_path: Path) -> None:
                                 "No module named 'no_such_module_here'")
     with pytest.raises(SpecError, match="no such file"):
         load_spec(tmp_path / "absent.py")
-    with pytest.raises(SpecError, match="importing no_such_pkg raised ModuleNotFoundError"):
+    with pytest.raises(SpecError, match="no module no_such_pkg here: run from the folder"):
         load_spec("no_such_pkg:thing")
 
 
@@ -129,3 +129,17 @@ def test_the_digits_example_reads_what_load_digits_gives_without_importing_sklea
     digits = load_digits()
     wanted = hashlib.sha256(digits.data.tobytes() + digits.target.tobytes()).hexdigest()
     assert out == [str(digits.data.dtype), str(digits.target.dtype), wanted, "False"]
+
+
+def test_a_module_spec_is_found_in_the_current_folder(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `python -m` finds it, where the tensorbus script's folder is first on the path."""
+    (tmp_path / "herespec.py").write_text(
+        (Path(__file__).parent.parent / "examples" / "digits.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "herespec", raising=False)
+    assert load_spec("herespec").model is not None
+    with pytest.raises(SpecError, match=r"SPEC nothere:SPEC: no module nothere here: run from "
+                                        r"the folder that holds it, or put that folder on PYTHONPATH"):
+        load_spec("nothere:SPEC")
