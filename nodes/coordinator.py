@@ -485,7 +485,9 @@ class Coordinator:
             case Leave(reason=reason, detail=detail):
                 await self._reply(peer, Ack(request=message.request, version=self.version))
                 self._departed[peer] = None
-                await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})")
+                # (An error is said by the run's failure, or its worker; a normal end is not news.)
+                await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})",
+                                   warn=reason == "interrupted")
                 if reason == "error":
                     self._errors.append(f"worker {member.rank}: {detail}")
                 await self._check_minimum()
@@ -1132,7 +1134,10 @@ class Coordinator:
         await self._unpark(list(self._parked), stop=stop)
         await self._server.publish(encode(stop))
 
-    async def _depart(self, member: Member, why: str, *, lost: bool = False) -> None:
+    async def _depart(self, member: Member, why: str, *, lost: bool = False,
+                      warn: bool = False) -> None:
+        """`member` is no longer in the run: `lost` (killed, silent), or left, said as a
+        warning if `warn` (a worker interrupted, by a signal say: the run goes on smaller)."""
         # A departed worker's kept update stays held: the strategy may still count it.
         self._members.remove(member)
         self.watch.left(member.rank)
@@ -1152,7 +1157,7 @@ class Coordinator:
                                train_s=round(self.metrics.train_s(), 6))
             log.warning("%s %s", member.describe(), why)
         else:
-            log.info("%s %s", member.describe(), why)
+            log.log(logging.WARNING if warn else logging.INFO, "%s %s", member.describe(), why)
 
     def status(self) -> Status:
         """What the run and each live worker are doing now (the status table)."""

@@ -85,6 +85,9 @@ def test_sigterm_on_a_worker_leaves_the_run_at_once(tmp_path: Path) -> None:
         log = (tmp_path / "worker-1.log").read_text()
         assert "worker 1 left the run on SIGTERM" in log and "leaked" not in log, log
         assert not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*"))
+        # Said at the default log level: the run goes on smaller.
+        said = (tmp_path / "coordinator.log").read_text()
+        assert "WARNING worker 1 " in said and " left (interrupted: SIGTERM)" in said, said
 
 
 def test_sigterm_on_a_worker_still_joining_leaves_no_shared_memory(tmp_path: Path) -> None:
