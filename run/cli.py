@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from bus.errors import HandshakeError, PeerTimeoutError, RejectedError
+from bus.messages import BUILD, PROTOCOL_VERSION
 from bus.security import load_client_keys, load_server_keys, make_keys
 from bus.transport import is_loopback, new_event_loop, split_endpoint
 from nodes.checkpoint import CheckpointError
@@ -309,6 +310,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="tensorbus", description="Train one PyTorch model on many processes over ZeroMQ."
     )
+    parser.add_argument("--version", action="version",
+                        version=f"tensorbus {BUILD} (wire protocol {PROTOCOL_VERSION})")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:

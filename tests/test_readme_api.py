@@ -1,6 +1,6 @@
-"""The README's Python API section runs as it is written: its code block, whole, in a
-fresh interpreter from the repository's root (a user copies it, and it must not need
-names it does not define)."""
+"""What the README shows a user runs as shown: its Python API section's code block, whole,
+in a fresh interpreter from the repository's root (a user copies it, and it must not need
+names it does not define), and `tensorbus --version`."""
 
 from __future__ import annotations
 
@@ -31,3 +31,13 @@ def test_the_python_api_section_runs_as_written() -> None:
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "100 sync 2"
+
+
+def test_version_says_the_release_and_the_wire_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    from bus.messages import BUILD, PROTOCOL_VERSION
+    from run.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"tensorbus {BUILD} (wire protocol {PROTOCOL_VERSION})\n"

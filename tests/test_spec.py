@@ -143,3 +143,4 @@ def test_a_module_spec_is_found_in_the_current_folder(tmp_path: Path,
     with pytest.raises(SpecError, match=r"SPEC nothere:SPEC: no module nothere here: run from "
                                         r"the folder that holds it, or put that folder on PYTHONPATH"):
         load_spec("nothere:SPEC")
+
