@@ -106,7 +106,7 @@ class _Segment:
         path = ROOT / self.name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         _track(self.name)
-        self._unlink = weakref.finalize(self, _unlink, self.name)  # runs once
+        self._unlink = weakref.finalize(self, _unlink, self.name, os.getpid())  # runs once
         try:
             os.posix_fallocate(fd, 0, max(nbytes, 1))  # ENOSPC now, not SIGBUS later
             self.map = mmap.mmap(fd, max(nbytes, 1))
@@ -134,7 +134,11 @@ def _track(name: str) -> None:
     resource_tracker.register(f"/{name}", "shared_memory")
 
 
-def _unlink(name: str) -> None:
+def _unlink(name: str, creator: int) -> None:
+    if os.getpid() != creator:
+        # A process forked from the creator (a DataLoader's worker, say) holds a copy of
+        # the segment's object: when that copy goes, the creator's file stays.
+        return
     try:
         os.unlink(ROOT / name)
     except FileNotFoundError:

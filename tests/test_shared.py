@@ -577,3 +577,31 @@ def test_a_coordinator_that_cannot_read_the_workers_probe_gets_bytes(
     monkeypatch.setattr("nodes.coordinator.Probe", Blind)
     _, summary = _train(Sync(workers=2), shared=True)
     assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
+
+
+def test_a_forked_process_that_drops_its_copy_of_a_segment_leaves_the_file() -> None:
+    """A process forked from a segment's creator (a DataLoader's worker forked by a worker,
+    say) holds a copy of its object: when that copy is collected there, the creator's file
+    stays (bus.shared._unlink is the creator's alone)."""
+    import gc
+
+    from bus.shared import ROOT, _Segment
+
+    segment = _Segment(4096)
+    path = ROOT / segment.name
+    pid = os.fork()
+    if pid == 0:  # the child: drop its copy, collect, and leave without the parent's atexit
+        code = 0
+        try:
+            del segment
+            gc.collect()
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit status
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    try:
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert path.exists()
+    finally:
+        segment.unlink()
+    assert not path.exists()
