@@ -213,7 +213,7 @@ def test_a_loss_that_raises_names_the_spec(tmp_path: Path) -> None:
 _MISTAKES = {
     "data-none": (
         "def data(rank, world_size, batch_size):\n    return None\n",
-        ("SPEC {spec}: data(rank=1, world_size=2, batch_size=64) returned NoneType, not an "
+        ("SPEC {spec}: data(rank={rank}, world_size=2, batch_size=64) returned NoneType, not an "
          "iterable of (input, target) batches: return a list of them, or a DataLoader")),
     "data-generator": (
         ("_data = data\n\n\ndef data(rank, world_size, batch_size):\n"
