@@ -21,10 +21,12 @@ was written meanwhile (`_follow_set`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, replace
@@ -280,7 +282,8 @@ class Worker:
             # checkpoint (whose records are behind us: the data rewinds with the weights).
             self._enter(Phase.LOADING)
             shards = await asyncio.to_thread(self._load, welcome)
-            self._batches = _Epochs(shards, self._describe_data(welcome))
+            self._batches = _Epochs(shards, self._describe_data(welcome),
+                                    anew=_on_loop(asyncio.get_running_loop()))
             self._again = None
             await asyncio.to_thread(self._batches.skip, welcome.position)
             self._shard = shard
@@ -697,14 +700,50 @@ def _check_same_run(first: Welcome, other: Welcome, first_at: str, other_at: str
                 f"the coordinator shards disagree: {name} is {a!r} at {first_at} and {b!r} at "
                 f"{other_at}: start every shard with the same options"))
 
-class _Epochs:
-    """Batches from a re-iterable shard, epoch after epoch, checked for shape."""
+def _on_loop(loop: asyncio.AbstractEventLoop) -> Callable[[Iterable[Any]], Iterator[Any]]:
+    """iter(), called on `loop`'s thread from whichever thread asks (waiting for it there).
 
-    def __init__(self, shards: Iterable[Any], described: str) -> None:
+    Why: a DataLoader with workers forks them when iterated, and a process forked from a
+    thread of an executor fails as it exits (exit status 1, which the DataLoader reports
+    in tracebacks as a worker that 'exited unexpectedly'): its threading shutdown joins
+    the executor's threads, the forking one included. The loop's thread is the main one."""
+    def anew(shards: Iterable[Any]) -> Iterator[Any]:
+        if loop.is_closed() or threading.get_ident() == loop_thread:
+            return iter(shards)
+        made: concurrent.futures.Future[Iterator[Any]] = concurrent.futures.Future()
+
+        def make() -> None:
+            try:
+                made.set_result(iter(shards))
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that asked
+                made.set_exception(e)
+
+        try:
+            loop.call_soon_threadsafe(make)
+        except RuntimeError:  # closed meanwhile: no loop to wait for
+            return iter(shards)
+        while True:
+            try:
+                return made.result(timeout=1.0)
+            except TimeoutError:
+                if loop.is_closed():  # (closed before it ran make: it never will)
+                    return iter(shards)
+
+    loop_thread = threading.get_ident()  # (made on the loop's thread)
+    return anew
+
+
+class _Epochs:
+    """Batches from a re-iterable shard, epoch after epoch, checked for shape; each epoch's
+    iterator made by `anew` (by default, here: see _on_loop)."""
+
+    def __init__(self, shards: Iterable[Any], described: str,
+                 anew: Callable[[Iterable[Any]], Iterator[Any]] = iter) -> None:
         self._shards = shards
         self._described = described
+        self._anew = anew
         try:
-            self._it: Iterator[Any] = iter(shards)
+            self._it: Iterator[Any] = anew(shards)
         except TypeError:
             raise DataError(f"{described} returned {type(shards).__name__}, not an iterable of "
                             "(input, target) batches: return a list of them, or a DataLoader"
@@ -719,7 +758,7 @@ class _Epochs:
         SPEC's data may be a new epoch order) without reading their batches."""
         if self.length > 0:
             for _ in range(batches // self.length):
-                self._it = iter(self._shards)
+                self._it = self._anew(self._shards)
             self.position = batches - batches % self.length
         while self.position < batches:
             self.next()
@@ -729,7 +768,7 @@ class _Epochs:
             try:
                 batch = next(self._it)
             except StopIteration:
-                self._it = iter(self._shards)
+                self._it = self._anew(self._shards)
                 batch = next(self._it)
         except StopIteration:
             if self._taken:  # its first pass had batches, and the next none

@@ -217,6 +217,27 @@ def test_a_spec_without_model_fails_in_one_line(tmp_path: Path) -> None:
     assert _left_running(str(spec)) == []
 
 
+def test_a_dataloader_with_workers_of_its_own_runs_epoch_after_epoch_quietly(tmp_path: Path) -> None:
+    """Its workers are forked as each epoch begins: from the worker's main thread (the
+    loop's), as nodes.worker._on_loop has it. Forked from the compute's executor thread,
+    they exited 1 at their end, and the DataLoader said so in tracebacks."""
+    text = DIGITS.read_text() + (
+        "\n\n_data = data\n\n\ndef data(rank, world_size, batch_size):\n"
+        "    from torch.utils.data import DataLoader, TensorDataset\n"
+        "    batches = list(_data(rank, world_size, batch_size))\n"
+        "    x = torch.cat([b[0] for b in batches])\n"
+        "    y = torch.cat([b[1] for b in batches])\n"
+        "    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,\n"
+        "                      drop_last=True, num_workers=2)\n")
+    spec = _spec(tmp_path, "loader", text)
+    done = _run(["local", str(spec), "--workers", "2", "--epochs", "3", *FAST])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exited unexpectedly" not in done.stderr and "Traceback" not in done.stderr, \
+        done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["steps"] == 3 * 11  # 3 epochs of each rank's 11 training batches of 64
+
+
 def test_data_that_raises_ends_the_run_in_one_line(tmp_path: Path) -> None:
     text = DIGITS.read_text() + (
         "\n\ndef data(rank, world_size, batch_size):\n"
