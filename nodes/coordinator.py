@@ -367,7 +367,6 @@ class Coordinator:
         if member is None or self._done is None or self._done.done():
             return False
         await self._depart(member, why, lost=True)
-        await self._check_minimum()
         await self._carry_out(self.strategy.handle(Left(rank, time.monotonic())))
         return True
 
@@ -485,12 +484,11 @@ class Coordinator:
             case Leave(reason=reason, detail=detail):
                 await self._reply(peer, Ack(request=message.request, version=self.version))
                 self._departed[peer] = None
+                if reason == "error":  # (before it departs: a failure below the minimum says it)
+                    self._errors.append(f"worker {member.rank}: {detail}")
                 # (An error is said by the run's failure, or its worker; a normal end is not news.)
                 await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})",
                                    warn=reason == "interrupted")
-                if reason == "error":
-                    self._errors.append(f"worker {member.rank}: {detail}")
-                await self._check_minimum()
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             case _:
                 await self._refuse(peer, message, RejectCode.UNEXPECTED, "not taken here")
@@ -1049,7 +1047,6 @@ class Coordinator:
             await self._server.publish(encode(Heartbeat(version=self.version, phase=self.state.value)))
             for member in self._members.silent(now, self.config.timeout_s):
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
-                await self._check_minimum()
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))
             await self._check_phase(now)
@@ -1137,7 +1134,8 @@ class Coordinator:
     async def _depart(self, member: Member, why: str, *, lost: bool = False,
                       warn: bool = False) -> None:
         """`member` is no longer in the run: `lost` (killed, silent), or left, said as a
-        warning if `warn` (a worker interrupted, by a signal say: the run goes on smaller)."""
+        warning if `warn` (a worker interrupted, by a signal say: the run goes on smaller);
+        the run fails here if too few are left (`_check_minimum`)."""
         # A departed worker's kept update stays held: the strategy may still count it.
         self._members.remove(member)
         self.watch.left(member.rank)
@@ -1158,6 +1156,7 @@ class Coordinator:
             log.warning("%s %s", member.describe(), why)
         else:
             log.log(logging.WARNING if warn else logging.INFO, "%s %s", member.describe(), why)
+        await self._check_minimum()  # (as it goes: not at the next tick, trained on meanwhile)
 
     def status(self) -> Status:
         """What the run and each live worker are doing now (the status table)."""
