@@ -3,10 +3,10 @@
 Knows nothing of training: it moves typed messages with flat tensors between nodes.
 """
 
-from bus.codec import DTYPES, decode, encode
-from bus.errors import PeerTimeoutError, RejectedError, WireError
-from bus.layout import Layout
-from bus.messages import COORDINATOR, PROTOCOL_VERSION, Kind, Message, Phase, RejectCode
+from tensorbus.bus.codec import DTYPES, decode, encode
+from tensorbus.bus.errors import PeerTimeoutError, RejectedError, WireError
+from tensorbus.bus.layout import Layout
+from tensorbus.bus.messages import COORDINATOR, PROTOCOL_VERSION, Kind, Message, Phase, RejectCode
 
 __all__ = [
     "COORDINATOR",

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from bus.errors import PeerTimeoutError
+from tensorbus.bus.errors import PeerTimeoutError
 
 
 class Tracker(Protocol):

@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 import torch
 
-from bus.errors import (
+from tensorbus.bus.errors import (
     ByteLengthError,
     DtypeError,
     FrameCountError,
@@ -45,10 +45,10 @@ from bus.errors import (
     WireError,
     quote,
 )
-from bus.layout import Layout
-from bus.messages import PROTOCOL_VERSION, SCHEMA, Kind, Message
-from bus.pieces import Pieces, Received
-from bus.shared import Ref, SharedTensorError, Shelf
+from tensorbus.bus.layout import Layout
+from tensorbus.bus.messages import PROTOCOL_VERSION, SCHEMA, Kind, Message
+from tensorbus.bus.pieces import Pieces, Received
+from tensorbus.bus.shared import Ref, SharedTensorError, Shelf
 
 # The dtypes a tensor frame may have; anything else is refused before it is read.
 DTYPES: Final[dict[str, torch.dtype]] = {

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from bus.errors import PeerTimeoutError
+from tensorbus.bus.errors import PeerTimeoutError
 
 T = TypeVar("T")
 

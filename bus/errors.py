@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import reprlib
 
-from bus.messages import RejectCode
+from tensorbus.bus.messages import RejectCode
 
 _QUOTE = reprlib.Repr()  # keyword arguments only from Python 3.12
 _QUOTE.maxstring = _QUOTE.maxother = 80

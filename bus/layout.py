@@ -21,7 +21,7 @@ from typing import Final
 
 import torch
 
-from bus.errors import LayoutError
+from tensorbus.bus.errors import LayoutError
 
 # --compress bf16|fp16: the dtype float gradients travel in (added into fp32 on arrival).
 NARROW: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Final
 
-from bus.pieces import Received
+from tensorbus.bus.pieces import Received
 
 # 2: pushes carry telemetry, acks the time held; 3: chunked tensors; 4: Changes;
 # 5: tensors by reference (bus.shared) and the Welcome's offer of them; 6: broadcasts

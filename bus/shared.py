@@ -79,7 +79,7 @@ from pathlib import Path
 
 import torch
 
-from bus.errors import WireError
+from tensorbus.bus.errors import WireError
 
 log = logging.getLogger("tensorbus.shared")
 ROOT = Path("/dev/shm")

@@ -45,9 +45,9 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from bus.buffers import Tracker
-from bus.loopsocket import LoopSocket
-from bus.security import ClientKeys, KeyGate, ServerKeys, curve_client, curve_server
+from tensorbus.bus.buffers import Tracker
+from tensorbus.bus.loopsocket import LoopSocket
+from tensorbus.bus.security import ClientKeys, KeyGate, ServerKeys, curve_client, curve_server
 
 Frames = Sequence[Any]  # anything with the buffer protocol
 TRACK_ABOVE: Final = zmq.COPY_THRESHOLD  # smaller frames are copied by pyzmq: nothing to track

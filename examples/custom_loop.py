@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -48,7 +47,7 @@ def train(args: argparse.Namespace) -> None:
     import torch
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-    from nodes import Group
+    from tensorbus.nodes import Group
 
     rank, world_size = args.rank, args.world_size
     torch.set_num_threads(1)

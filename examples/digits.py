@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from run.shards import Shards
+from tensorbus.run.shards import Shards
 
 # Base seed for the per-epoch shuffles; epoch e uses SEED + e.
 SEED = 0

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from run.shards import Shards
+from tensorbus.run.shards import Shards
 
 # Where Debian's dataset-fashion-mnist installs the files. Change this constant
 # to read a copy from elsewhere.

@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import digits
 
-from bus.transport import new_event_loop
-from nodes import Coordinator, CoordinatorConfig, Relay, Worker, WorkerConfig
-from strategies import Sync
+from tensorbus.bus.transport import new_event_loop
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Relay, Worker, WorkerConfig
+from tensorbus.strategies import Sync
 
 
 def _run(coroutine_factory, *args) -> None:  # type: ignore[no-untyped-def]
@@ -64,7 +63,7 @@ def main() -> None:
     upstream = root.bind()
     context = multiprocessing.get_context("spawn")
     processes = []
-    for r in range(args.relays):
+    for _ in range(args.relays):
         # Port 0 cannot be told to the workers beforehand: bind a free one by hand.
         bind = f"tcp://127.0.0.1:{_free_port()}"
         processes.append(context.Process(target=_run, args=(_relay, upstream, bind, args.per_relay)))

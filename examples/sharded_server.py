@@ -24,13 +24,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import digits
 
-from bus.transport import new_event_loop
-from nodes import (
+from tensorbus.bus.transport import new_event_loop
+from tensorbus.nodes import (
     Coordinator,
     CoordinatorConfig,
     ShardModel,
@@ -38,7 +37,7 @@ from nodes import (
     WorkerConfig,
     assemble,
 )
-from strategies import Sync
+from tensorbus.strategies import Sync
 
 
 def _worker(connect: list[str]) -> None:

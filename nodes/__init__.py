@@ -4,19 +4,19 @@ parameter server: one Coordinator per shard) and Colocated (a worker that serves
 shard of the parameters); for custom training loops, Group (allreduce,
 broadcast, allgather, barrier over a rendezvous: see nodes.collectives)."""
 
-from nodes.collectives import (
+from tensorbus.nodes.collectives import (
     CollectiveMismatchError,
     Group,
     GroupFailedError,
     GroupServer,
 )
-from nodes.colocated import Colocated
-from nodes.config import CoordinatorConfig, WorkerConfig
-from nodes.coordinator import Coordinator, Progress, State, TrainingError
-from nodes.link import RunFailedError
-from nodes.relay import Relay
-from nodes.shards import ShardModel, assemble
-from nodes.worker import ComputeError, DataError, Worker, WorkerReport
+from tensorbus.nodes.colocated import Colocated
+from tensorbus.nodes.config import CoordinatorConfig, WorkerConfig
+from tensorbus.nodes.coordinator import Coordinator, Progress, State, TrainingError
+from tensorbus.nodes.link import RunFailedError
+from tensorbus.nodes.relay import Relay
+from tensorbus.nodes.shards import ShardModel, assemble
+from tensorbus.nodes.worker import ComputeError, DataError, Worker, WorkerReport
 
 __all__ = [
     "CollectiveMismatchError",

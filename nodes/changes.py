@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.optim.optimizer as _optimizer_module
 
-from bus.layout import Bucket, Layout
-from bus.pieces import Received, whole
+from tensorbus.bus.layout import Bucket, Layout
+from tensorbus.bus.pieces import Received, whole
 
 # Same-size integer views: compared as integers, two floats are equal only bit for bit.
 _BITS: Final = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -44,14 +44,14 @@ from typing import Any, Final, Self, TypeVar
 
 import torch
 
-from bus.buffers import wait_sent
-from bus.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
-from bus.deadline import within
-from bus.errors import PeerTimeoutError, RejectedError
-from bus.messages import Collective, CollectiveOp, Outcome, ReduceOp, Reject, Result
-from bus.pieces import copy_into, whole
-from bus.security import ClientKeys, ServerKeys
-from bus.transport import (
+from tensorbus.bus.buffers import wait_sent
+from tensorbus.bus.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
+from tensorbus.bus.deadline import within
+from tensorbus.bus.errors import PeerTimeoutError, RejectedError
+from tensorbus.bus.messages import Collective, CollectiveOp, Outcome, ReduceOp, Reject, Result
+from tensorbus.bus.pieces import copy_into, whole
+from tensorbus.bus.security import ClientKeys, ServerKeys
+from tensorbus.bus.transport import (
     HANDSHAKE_MECHANISM,
     HANDSHAKE_REFUSED,
     ZmqClient,
@@ -59,7 +59,7 @@ from bus.transport import (
     new_event_loop,
     split_endpoint,
 )
-from nodes.rendezvous import Rendezvous, describe, tensor_spec
+from tensorbus.nodes.rendezvous import Rendezvous, describe, tensor_spec
 
 log = logging.getLogger("tensorbus.collectives")
 

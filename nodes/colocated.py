@@ -28,20 +28,20 @@ from typing import Any
 
 from torch import nn
 
-from bus.buffers import SendBuffers
-from bus.layout import Layout
-from bus.shared import Gallery
-from bus.transport import Hub
-from nodes.config import CoordinatorConfig, WorkerConfig
-from nodes.coordinator import Coordinator, Progress
-from nodes.evalpoints import Evaluate
-from nodes.handover import Handover
-from nodes.link import RunFailedError
-from nodes.master import shared_pool, weights_gallery
-from nodes.optimizers import OptimizerFactory
-from nodes.shards import ShardModel
-from nodes.worker import Data, Loss, Worker, WorkerReport
-from strategies.base import PushKind, Strategy, Wait
+from tensorbus.bus.buffers import SendBuffers
+from tensorbus.bus.layout import Layout
+from tensorbus.bus.shared import Gallery
+from tensorbus.bus.transport import Hub
+from tensorbus.nodes.config import CoordinatorConfig, WorkerConfig
+from tensorbus.nodes.coordinator import Coordinator, Progress
+from tensorbus.nodes.evalpoints import Evaluate
+from tensorbus.nodes.handover import Handover
+from tensorbus.nodes.link import RunFailedError
+from tensorbus.nodes.master import shared_pool, weights_gallery
+from tensorbus.nodes.optimizers import OptimizerFactory
+from tensorbus.nodes.shards import ShardModel
+from tensorbus.nodes.worker import Data, Loss, Worker, WorkerReport
+from tensorbus.strategies.base import PushKind, Strategy, Wait
 
 
 class Colocated:

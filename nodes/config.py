@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.layout import Compression
-from bus.security import ClientKeys, ServerKeys
-from nodes.faults import Faults
+from tensorbus.bus.layout import Compression
+from tensorbus.bus.security import ClientKeys, ServerKeys
+from tensorbus.nodes.faults import Faults
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from bus.buffers import SendBuffers, Tracker
-from bus.codec import decode, encode
-from bus.errors import WireError
-from bus.layout import Compression
-from bus.messages import (
+from tensorbus.bus.buffers import SendBuffers, Tracker
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.errors import WireError
+from tensorbus.bus.layout import Compression
+from tensorbus.bus.messages import (
     BUILD,
     Ack,
     Changes,
@@ -47,22 +47,22 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.pieces import Received, all_finite
-from bus.shared import Gallery, Probe, SharedTensorError, Shelf
-from bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
-from nodes import changes as changed
-from nodes import checkpoint
-from nodes.config import CoordinatorConfig
-from nodes.evalpoints import EvalPoints, Evaluate, EvaluateError, figures
-from nodes.flat import FlatModel
-from nodes.fold import Fold, next_to_fold, step_alpha
-from nodes.master import AllDone, Master, shared_pool, tracked, weights_gallery
-from nodes.membership import Member, Membership
-from nodes.metrics import Metrics
-from nodes.optimizers import OptimizerFactory, make_optimizer
-from nodes.shards import ShardModel
-from nodes.watch import Status, Watch
-from strategies.base import (
+from tensorbus.bus.pieces import Received, all_finite
+from tensorbus.bus.shared import Gallery, Probe, SharedTensorError, Shelf
+from tensorbus.bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
+from tensorbus.nodes import changes as changed
+from tensorbus.nodes import checkpoint
+from tensorbus.nodes.config import CoordinatorConfig
+from tensorbus.nodes.evalpoints import EvalPoints, Evaluate, EvaluateError, figures
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.nodes.fold import Fold, next_to_fold, step_alpha
+from tensorbus.nodes.master import AllDone, Master, shared_pool, tracked, weights_gallery
+from tensorbus.nodes.membership import Member, Membership
+from tensorbus.nodes.metrics import Metrics
+from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
+from tensorbus.nodes.shards import ShardModel
+from tensorbus.nodes.watch import Status, Watch
+from tensorbus.strategies.base import (
     Apply,
     Arrived,
     Decision,

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nodes.master import Master
-from nodes.metrics import Metrics
+from tensorbus.nodes.master import Master
+from tensorbus.nodes.metrics import Metrics
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
 

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from bus.layout import Layout, Span
-from bus.pieces import Received, copy_into
+from tensorbus.bus.layout import Layout, Span
+from tensorbus.bus.pieces import Received, copy_into
 
 OnReady = Callable[[int], None]
 Allocate = Callable[[Sequence[tuple[int, torch.dtype]]], tuple[torch.Tensor, ...]]

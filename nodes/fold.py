@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bus.pieces import BLOCK, Received, fold, fold_checked
+from tensorbus.bus.pieces import BLOCK, Received, fold, fold_checked
 
 
 def step_alpha(lr: float, scale: float, count: int) -> float:

@@ -40,8 +40,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bus.layout import Layout, Shard
-from bus.pieces import Received, spans
+from tensorbus.bus.layout import Layout, Shard
+from tensorbus.bus.pieces import Received, spans
 
 
 class Handover:

@@ -34,10 +34,10 @@ from typing import Any, Protocol
 
 import torch
 
-from bus.buffers import Tracker
-from bus.codec import decode, encode
-from bus.deadline import within
-from bus.errors import (
+from tensorbus.bus.buffers import Tracker
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.deadline import within
+from tensorbus.bus.errors import (
     HandshakeError,
     PeerTimeoutError,
     ProtocolVersionError,
@@ -45,8 +45,8 @@ from bus.errors import (
     WireError,
     quote,
 )
-from bus.layout import Shard
-from bus.messages import (
+from tensorbus.bus.layout import Shard
+from tensorbus.bus.messages import (
     BUILD,
     Changes,
     Heartbeat,
@@ -61,11 +61,11 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.pieces import copy_into
-from bus.security import ClientKeys
-from bus.shared import Probe, Ref, Shelf
-from bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, Hub, ZmqClient
-from nodes import changes as changed
+from tensorbus.bus.pieces import copy_into
+from tensorbus.bus.security import ClientKeys
+from tensorbus.bus.shared import Probe, Ref, Shelf
+from tensorbus.bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, Hub, ZmqClient
+from tensorbus.nodes import changes as changed
 
 log = logging.getLogger("tensorbus.worker")
 _SETS_MAPPED = 16  # the coordinator's weight sets kept mapped (bus.shared.Gallery)

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bus.buffers import SendBuffers, Tracker, all_done
-from bus.layout import Compression
-from bus.pieces import Received, fold, sum_into, whole
-from bus.shared import Gallery
-from nodes import changes as changed
-from nodes.config import CoordinatorConfig
-from nodes.flat import FlatModel
-from nodes.fold import step_alpha
+from tensorbus.bus.buffers import SendBuffers, Tracker, all_done
+from tensorbus.bus.layout import Compression
+from tensorbus.bus.pieces import Received, fold, sum_into, whole
+from tensorbus.bus.shared import Gallery
+from tensorbus.nodes import changes as changed
+from tensorbus.nodes.config import CoordinatorConfig
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.nodes.fold import step_alpha
 
 Buffers = tuple[torch.Tensor, ...]
 Update = tuple[Received, ...]  # one push's tensors, views into its frames

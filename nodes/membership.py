@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus.messages import Phase, RejectCode
+from tensorbus.bus.messages import Phase, RejectCode
 
 
 @dataclass

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 
 import torch
 
-from bus.layout import Compression, Shard
-from nodes.flat import Allocate, FlatModel
-from nodes.largest import Largest
+from tensorbus.bus.layout import Compression, Shard
+from tensorbus.nodes.flat import Allocate, FlatModel
+from tensorbus.nodes.largest import Largest
 
 
 class Outbox:

@@ -32,17 +32,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from bus.buffers import Tracker, wait_sent
-from bus.errors import RejectedError
-from bus.messages import Ack, Phase, Push, Ready, RejectCode
-from bus.pieces import Received
-from bus.security import ClientKeys
-from nodes.config import CoordinatorConfig
-from nodes.coordinator import Coordinator, Progress, State
-from nodes.link import Link, Stopped
-from nodes.membership import Membership
-from nodes.optimizers import OptimizerFactory
-from strategies.base import PushKind, Strategy, Wait
+from tensorbus.bus.buffers import Tracker, wait_sent
+from tensorbus.bus.errors import RejectedError
+from tensorbus.bus.messages import Ack, Phase, Push, Ready, RejectCode
+from tensorbus.bus.pieces import Received
+from tensorbus.bus.security import ClientKeys
+from tensorbus.nodes.config import CoordinatorConfig
+from tensorbus.nodes.coordinator import Coordinator, Progress, State
+from tensorbus.nodes.link import Link, Stopped
+from tensorbus.nodes.membership import Membership
+from tensorbus.nodes.optimizers import OptimizerFactory
+from tensorbus.strategies.base import PushKind, Strategy, Wait
 
 log = logging.getLogger("tensorbus.relay")
 

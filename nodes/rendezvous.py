@@ -39,9 +39,9 @@ from typing import Final
 
 import torch
 
-from bus.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, DTYPES, decode, encode
-from bus.errors import WireError
-from bus.messages import (
+from tensorbus.bus.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, DTYPES, decode, encode
+from tensorbus.bus.errors import WireError
+from tensorbus.bus.messages import (
     COORDINATOR,
     Collective,
     CollectiveOp,
@@ -51,9 +51,9 @@ from bus.messages import (
     RejectCode,
     Result,
 )
-from bus.pieces import Received, copy_into, spans, whole
-from bus.security import ServerKeys
-from bus.transport import ZmqRouter
+from tensorbus.bus.pieces import Received, copy_into, spans, whole
+from tensorbus.bus.security import ServerKeys
+from tensorbus.bus.transport import ZmqRouter
 
 log = logging.getLogger("tensorbus.rendezvous")
 

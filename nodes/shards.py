@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from bus.layout import Layout
+from tensorbus.bus.layout import Layout
 
 
 class ShardModel(nn.Module):

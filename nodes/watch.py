@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.messages import Push
-from nodes.metrics import Metrics
-from nodes.telemetry import Telemetry
-from nodes.trace import COORDINATOR_TRACK, Trace
+from tensorbus.bus.messages import Push
+from tensorbus.nodes.metrics import Metrics
+from tensorbus.nodes.telemetry import Telemetry
+from tensorbus.nodes.trace import COORDINATOR_TRACK, Trace
 
 log = logging.getLogger("tensorbus.coordinator")
 

@@ -35,19 +35,19 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from bus.buffers import Tracker, wait_sent
-from bus.errors import PeerTimeoutError, RejectedError
-from bus.layout import Compression
-from bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
-from bus.shared import Arena, Probe, Ref, Shelf
-from bus.transport import Hub
-from nodes.config import WorkerConfig
-from nodes.flat import FlatModel
-from nodes.handover import Handover
-from nodes.link import Link, Newer, RunFailedError, Stopped
-from nodes.optimizers import OptimizerFactory, make_optimizer
-from nodes.outbox import Keeping, Outbox
-from strategies.base import PushKind, Wait
+from tensorbus.bus.buffers import Tracker, wait_sent
+from tensorbus.bus.errors import PeerTimeoutError, RejectedError
+from tensorbus.bus.layout import Compression
+from tensorbus.bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
+from tensorbus.bus.shared import Arena, Probe, Ref, Shelf
+from tensorbus.bus.transport import Hub
+from tensorbus.nodes.config import WorkerConfig
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.nodes.handover import Handover
+from tensorbus.nodes.link import Link, Newer, RunFailedError, Stopped
+from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
+from tensorbus.nodes.outbox import Keeping, Outbox
+from tensorbus.strategies.base import PushKind, Wait
 
 log = logging.getLogger("tensorbus.worker")
 _T = TypeVar("_T")

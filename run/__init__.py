@@ -10,14 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {"LocalRunError": "run.local", "launch_local": "run.local", "RunOptions": "run.options",
-          "Shards": "run.shards", "Spec": "run.spec", "SpecError": "run.spec",
-          "load_spec": "run.spec"}
+_WHERE = {"LocalRunError": "local", "launch_local": "local", "RunOptions": "options",
+          "Shards": "shards", "Spec": "spec", "SpecError": "spec", "load_spec": "spec"}
 
 __all__ = ["LocalRunError", "RunOptions", "Shards", "Spec", "SpecError", "launch_local", "load_spec"]
 
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
-        raise AttributeError(f"module 'run' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+        raise AttributeError(f"module 'tensorbus.run' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

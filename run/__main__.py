@@ -1,7 +1,7 @@
-"""`python -m run ...` is `tensorbus ...` (how `local` starts its workers)."""
+"""`python -m tensorbus.run ...` is the `tensorbus` command too."""
 
 import sys
 
-from run.entry import main
+from tensorbus.run.entry import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """The worker processes a launcher starts: forked from it where that is safe, fresh
 interpreters otherwise; each dies with its launcher.
 
-A fresh `python -m run worker` imports torch and the rest of tensorbus again: about 1.6 s of
+A fresh `python -m tensorbus worker` imports torch and the rest of tensorbus again: about 1.6 s of
 CPU each, most of a short run's start on a small machine (`local --workers 4` on 2 cores
 took 7 s to make its first version, 1 s of it training). `Forks` forks the workers from the
 launcher as it starts instead, while nothing of the run is made yet (no event loop, no

@@ -22,28 +22,28 @@ from typing import Any, NoReturn
 
 import torch
 
-from bus.errors import HandshakeError, PeerTimeoutError, RejectedError
-from bus.messages import BUILD, PROTOCOL_VERSION
-from bus.security import load_client_keys, load_server_keys, make_keys
-from bus.transport import is_loopback, new_event_loop, split_endpoint
-from nodes.checkpoint import CheckpointError
-from nodes.config import CoordinatorConfig, WorkerConfig
-from nodes.coordinator import TrainingError
-from nodes.link import RunFailedError
-from nodes.metrics import MetricsError
-from nodes.relay import Relay
-from nodes.worker import ComputeError, DataError, Worker
-from run import cluster, device, interrupts
-from run.faults import parse_worker
-from run.local import LocalRunError, launch_local
-from run.memory import keep_freed_memory
-from run.options import RunOptions, make_coordinator
-from run.pernode import launch_node
-from run.progress import ProgressLine
-from run.signals import die_of, stopping_on_signals
-from run.spec import SpecError, load_spec, said
-from run.status import StatusTable
-from strategies import STRATEGIES
+from tensorbus.bus.errors import HandshakeError, PeerTimeoutError, RejectedError
+from tensorbus.bus.messages import BUILD, PROTOCOL_VERSION
+from tensorbus.bus.security import load_client_keys, load_server_keys, make_keys
+from tensorbus.bus.transport import is_loopback, new_event_loop, split_endpoint
+from tensorbus.nodes.checkpoint import CheckpointError
+from tensorbus.nodes.config import CoordinatorConfig, WorkerConfig
+from tensorbus.nodes.coordinator import TrainingError
+from tensorbus.nodes.link import RunFailedError
+from tensorbus.nodes.metrics import MetricsError
+from tensorbus.nodes.relay import Relay
+from tensorbus.nodes.worker import ComputeError, DataError, Worker
+from tensorbus.run import cluster, device, interrupts
+from tensorbus.run.faults import parse_worker
+from tensorbus.run.local import LocalRunError, launch_local
+from tensorbus.run.memory import keep_freed_memory
+from tensorbus.run.options import RunOptions, make_coordinator
+from tensorbus.run.pernode import launch_node
+from tensorbus.run.progress import ProgressLine
+from tensorbus.run.signals import die_of, stopping_on_signals
+from tensorbus.run.spec import SpecError, load_spec, said
+from tensorbus.run.status import StatusTable
+from tensorbus.strategies import STRATEGIES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -232,7 +232,7 @@ def _node(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from run.plot import PlotError, plot  # matplotlib: only for this command
+    from tensorbus.run.plot import PlotError, plot  # matplotlib: only for this command
 
     try:
         written = plot(args.metrics, args.output, labels=args.label)

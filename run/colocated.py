@@ -2,7 +2,7 @@
 
 This process is worker 0 with shard 0, so that the progress line, the status table, the
 metrics and the summary (with the evaluation of the final model) are where `local` has
-them. Workers 1..N-1 are processes, `python -m run.colocated`, that read their orders as
+them. Workers 1..N-1 are processes, `python -m tensorbus.run.colocated`, that read their orders as
 one JSON line on stdin, bind their shard on a random loopback port, say where as one JSON
 line on stdout, read every shard's address as a second line, and train (nodes.colocated).
 Their stderr is relayed with a `[worker R]` prefix, as `local` does.
@@ -29,13 +29,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from bus.security import load_client_keys
-from bus.transport import new_event_loop
-from nodes.config import WorkerConfig
-from nodes.coordinator import Coordinator, Progress
-from run.children import Forks, die_with_parent
-from run.faults import parse_local, parse_worker
-from run.local import (
+from tensorbus.bus.security import load_client_keys
+from tensorbus.bus.transport import new_event_loop
+from tensorbus.nodes.config import WorkerConfig
+from tensorbus.nodes.coordinator import Coordinator, Progress
+from tensorbus.run.children import Forks, die_with_parent
+from tensorbus.run.faults import parse_local, parse_worker
+from tensorbus.run.local import (
     ERROR_PREFIX,
     REAP_TIMEOUT_S,
     LocalRunError,
@@ -43,11 +43,11 @@ from run.local import (
     _reap,
     _relay,
 )
-from run.memory import keep_freed_memory
-from run.options import RunOptions, make_colocated
-from run.signals import stopping_on_signals
-from run.spec import load_spec, said
-from run.status import StatusTable
+from tensorbus.run.memory import keep_freed_memory
+from tensorbus.run.options import RunOptions, make_colocated
+from tensorbus.run.signals import stopping_on_signals
+from tensorbus.run.spec import load_spec, said
+from tensorbus.run.status import StatusTable
 
 KEY_NAME = "worker"  # the key pair `tensorbus keys` makes for workers, as `local` uses
 STARTUP_S = 120.0  # how long a worker process may take to import, build and bind
@@ -75,7 +75,7 @@ async def launch_colocated(
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     try:
         for rank in range(1, options.workers):
-            child = await (forks.start(f"tb colocated {rank}", "run.colocated", [],
+            child = await (forks.start(f"tb colocated {rank}", "tensorbus.run.colocated", [],
                                        stdin=True, stdout="pipe")
                            if forks is not None else _spawn())
             children.append(child)
@@ -116,9 +116,9 @@ async def launch_colocated(
 
 
 async def _spawn() -> asyncio.subprocess.Process:
-    """`python -m run.colocated`, a fresh interpreter, as a worker of this launcher."""
+    """`python -m tensorbus.run.colocated`, a fresh interpreter, as a worker of this launcher."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "run.colocated",
+        sys.executable, "-m", "tensorbus.run.colocated",
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, preexec_fn=die_with_parent,
         start_new_session=True,  # Ctrl-C reaches this process alone (see _Shards)
@@ -200,7 +200,7 @@ def _child() -> int:
     try:
         orders = json.loads(sys.stdin.readline())
     except ValueError:
-        print(f"{ERROR_PREFIX}python -m run.colocated is started by `tensorbus local "
+        print(f"{ERROR_PREFIX}python -m tensorbus.run.colocated is started by `tensorbus local "
               "--colocate`, which gives it its orders on stdin", file=sys.stderr)
         return 2
     logging.basicConfig(level=orders["log_level"].upper(), stream=sys.stderr, datefmt="%H:%M:%S",

@@ -1,4 +1,4 @@
-"""The `tensorbus` command's entry point (and `python -m run`'s).
+"""The `tensorbus` command's entry point (and `python -m tensorbus`'s).
 
 Importing torch and the rest of the CLI takes a second or two; an interrupt (Ctrl-C) in that
 time ends like one at any later point: one line, exit status 130 (see `run.cli`).
@@ -13,14 +13,14 @@ import sys
 def main() -> int:
     import signal
 
-    from run import interrupts
+    from tensorbus.run import interrupts
 
     interrupts.note()
     # A request for the status table (run.status) that comes before it listens, or after,
     # is let pass, not fatal (SIGUSR1's default ends the process).
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        from run.cli import main as cli
+        from tensorbus.run.cli import main as cli
     except KeyboardInterrupt:
         _interrupted()
     if interrupts.noted():  # swallowed by a library while it imported: it may be half made

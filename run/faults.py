@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nodes.faults import Faults
+from tensorbus.nodes.faults import Faults
 
 KINDS = ("slow", "crash")
 

@@ -1,7 +1,7 @@
 """`launch_local`: a coordinator in this process and N worker processes on this machine.
 
 Workers are real processes (`tensorbus worker ...`: forked from the launcher where that is
-safe, see run.children, else `python -m run worker ...`) talking to the coordinator over tcp
+safe, see run.children, else `python -m tensorbus worker ...`) talking to the coordinator over tcp
 loopback. Their output (stderr, and what they print) is relayed line by line to our
 stderr with a `[worker R]` prefix. A worker that
 fails with an error (its SPEC raised, say) ends the whole run at once with its one-line
@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from bus.transport import new_event_loop
-from nodes.coordinator import Coordinator, Progress
-from run.children import Forked, Forks, can_fork, die_with_parent
-from run.device import resolve as resolve_device
-from run.faults import parse_local
-from run.options import RunOptions, make_coordinators, serve
-from run.signals import stopping_on_signals
-from run.spec import load_spec
-from run.status import StatusTable
+from tensorbus.bus.transport import new_event_loop
+from tensorbus.nodes.coordinator import Coordinator, Progress
+from tensorbus.run.children import Forked, Forks, can_fork, die_with_parent
+from tensorbus.run.device import resolve as resolve_device
+from tensorbus.run.faults import parse_local
+from tensorbus.run.options import RunOptions, make_coordinators, serve
+from tensorbus.run.signals import stopping_on_signals
+from tensorbus.run.spec import load_spec
+from tensorbus.run.status import StatusTable
 
 log = logging.getLogger("tensorbus.local")
 Process = asyncio.subprocess.Process | Forked  # a worker: a fresh interpreter, or forked
@@ -79,7 +79,7 @@ def launch_local(
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             if options.colocate:
-                from run.colocated import launch_colocated  # it builds on this module
+                from tensorbus.run.colocated import launch_colocated  # it builds on this module
 
                 per_worker = threads_per_worker(threads, options.workers)
                 torch.set_num_threads(per_worker)  # this process is worker 0
@@ -134,7 +134,7 @@ async def _launch(
             argv = ["worker", spec_source, "--connect", endpoint, "--rank", str(rank),
                     "--threads", str(per_worker), "--log-level", log_level,
                     "--device", devices[rank], *extra]
-            workers.append(await forks.start(f"tb worker {rank}", "run", argv)
+            workers.append(await forks.start(f"tb worker {rank}", "tensorbus", argv)
                            if forks is not None else await _spawn(argv))
             relays.append(asyncio.create_task(_relay(rank, workers[-1], failure, coordinators)))
         run = serve(coordinators)
@@ -168,10 +168,10 @@ async def _launch(
 
 
 async def _spawn(argv: list[str]) -> asyncio.subprocess.Process:
-    """`python -m run ARGV`, a fresh interpreter, as a worker of this launcher: its
+    """`python -m tensorbus ARGV`, a fresh interpreter, as a worker of this launcher: its
     stdout and stderr in one pipe (`stdout`), unbuffered, as a forked one's (see _relay)."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-u", "-m", "run", *argv,
+        sys.executable, "-u", "-m", "tensorbus", *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

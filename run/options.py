@@ -13,17 +13,17 @@ from typing import Any
 
 import torch
 
-from bus.layout import Compression
-from bus.security import load_server_keys
-from nodes.colocated import Colocated
-from nodes.config import CoordinatorConfig
-from nodes.coordinator import Coordinator, Progress
-from nodes.evalpoints import Evaluate
-from nodes.shards import ShardModel, assemble
-from run.faults import parse_local
-from run.spec import Spec
-from strategies import STRATEGIES, Strategy
-from strategies.base import PushKind, Wait
+from tensorbus.bus.layout import Compression
+from tensorbus.bus.security import load_server_keys
+from tensorbus.nodes.colocated import Colocated
+from tensorbus.nodes.config import CoordinatorConfig
+from tensorbus.nodes.coordinator import Coordinator, Progress
+from tensorbus.nodes.evalpoints import Evaluate
+from tensorbus.nodes.shards import ShardModel, assemble
+from tensorbus.run.faults import parse_local
+from tensorbus.run.spec import Spec
+from tensorbus.strategies import STRATEGIES, Strategy
+from tensorbus.strategies.base import PushKind, Wait
 
 
 @dataclass(frozen=True, kw_only=True)

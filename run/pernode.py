@@ -1,6 +1,6 @@
 """`tensorbus worker --workers-per-node G`: G worker processes on this node, one per GPU.
 
-Worker l (from 0) is a real process, `python -m run worker SPEC --rank NODE_RANK*G+l ...`,
+Worker l (from 0) is a real process, `python -m tensorbus worker SPEC --rank NODE_RANK*G+l ...`,
 with LOCAL_RANK=l in its environment (see `run.cluster.child_environment`). Their stderr is
 relayed line by line with a `[worker R]` prefix. The workers train independently of each
 other, so one that fails does not stop the rest (the coordinator drops a lost worker and
@@ -16,11 +16,11 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from bus.transport import new_event_loop
-from run.children import die_with_parent
-from run.cluster import child_environment
-from run.device import resolve as resolve_device
-from run.local import (
+from tensorbus.bus.transport import new_event_loop
+from tensorbus.run.children import die_with_parent
+from tensorbus.run.cluster import child_environment
+from tensorbus.run.device import resolve as resolve_device
+from tensorbus.run.local import (
     ERROR_PREFIX,
     LocalRunError,
     _reap,
@@ -53,7 +53,7 @@ def launch_node(
     commands = []
     for local in range(workers):
         rank = node_rank * workers + local
-        command = [sys.executable, "-m", "run", "worker", spec, "--connect", connect,
+        command = [sys.executable, "-m", "tensorbus", "worker", spec, "--connect", connect,
                    "--rank", str(rank), "--device", resolve_device(device, local),
                    "--threads", str(per_worker), *flags]
         commands.append((rank, command, child_environment(

@@ -156,7 +156,8 @@ def _read(path: Path, label: str | None) -> _Run:
         if value is not None and train_s is not None:
             final = (summary_offset + train_s, value)
     return _Run(label=label if label is not None else _default_label(path, summary),
-                name=label if label is not None else path.stem, steps=steps, figure=figure, evals=points, final=final,
+                name=label if label is not None else path.stem, steps=steps, figure=figure,
+                evals=points, final=final,
                 split=_split(summary, worker_sums))
 
 

@@ -6,7 +6,7 @@ import math
 import time
 from typing import TextIO
 
-from nodes.coordinator import Progress
+from tensorbus.nodes.coordinator import Progress
 
 
 class ProgressLine:

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from nodes.worker import ComputeError, DataError
+from tensorbus.nodes.worker import ComputeError, DataError
 
 # name -> (positional parameters it takes, what it is, required)
 _CONTRACT: dict[str, tuple[int, str, bool]] = {

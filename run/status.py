@@ -1,9 +1,9 @@
 """The status table of `local` and `coordinator`: what each worker is doing, and who is slow.
 
 Printed every SECONDS with `--status SECONDS`, and on request at any time: `kill -USR1 PID`,
-or Enter on the terminal the run was started from (when it runs in the foreground). On a terminal the table first clears
-the progress line (which redraws itself at the next step); elsewhere every line starts
-with `status:`, so that logs stay greppable.
+or Enter on the terminal the run was started from (when it runs in the foreground). On a
+terminal the table first clears the progress line (which redraws itself at the next step);
+elsewhere every line starts with `status:`, so that logs stay greppable.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TextIO, TypeVar
 
-from nodes.coordinator import Coordinator
-from nodes.watch import Status
+from tensorbus.nodes.coordinator import Coordinator
+from tensorbus.nodes.watch import Status
 
 T = TypeVar("T")
 

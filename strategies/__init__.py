@@ -4,8 +4,8 @@
 is one file with a `Strategy` subclass, and one line here.
 """
 
-from strategies.average import OuterOptimizer, PeriodicAveraging
-from strategies.base import (
+from tensorbus.strategies.average import OuterOptimizer, PeriodicAveraging
+from tensorbus.strategies.base import (
     Apply,
     Arrived,
     Decision,
@@ -24,8 +24,8 @@ from strategies.base import (
     Tick,
     Wait,
 )
-from strategies.stale import Async, StaleSync
-from strategies.sync import Sync
+from tensorbus.strategies.stale import Async, StaleSync
+from tensorbus.strategies.sync import Sync
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (Sync, StaleSync, Async, PeriodicAveraging)

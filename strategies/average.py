@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from strategies.base import OuterOptimizer, PushKind, Rhythm, Wait
-from strategies.sync import Sync
+from tensorbus.strategies.base import OuterOptimizer, PushKind, Rhythm, Wait
+from tensorbus.strategies.sync import Sync
 
 
 class PeriodicAveraging(Sync):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from strategies.base import (
+from tensorbus.strategies.base import (
     Apply,
     Arrived,
     Decision,

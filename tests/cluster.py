@@ -49,7 +49,7 @@ class Cluster:
     def _start(self, *args: str, log: str) -> subprocess.Popen[str]:
         with (self.tmp / log).open("a") as stderr:  # the child keeps its own descriptor
             process = subprocess.Popen(
-                [sys.executable, "-m", "run", *args], cwd=ROOT, text=True,
+                [sys.executable, "-m", "tensorbus", *args], cwd=ROOT, text=True,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
             )
         self._all.append(process)

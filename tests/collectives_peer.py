@@ -16,9 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from nodes import Group
+from tensorbus.nodes import Group
 
 SHAPES = [(10,), (3, 5), (700, 500)]  # the last one is larger than a 1 MiB frame
 DTYPES = [torch.float32, torch.float64, torch.int64]

@@ -33,13 +33,13 @@ import pytest
 import torch
 from specs import load_example
 
-from bus.layout import Layout
-from bus.messages import Changes, Kind, Phase, Weights
-from bus.transport import TOPIC_ALL, TOPIC_SHARED
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from nodes.changes import GIVE_UP, Differ, Touched, apply, out_of_range, plain_sgd_lr
-from nodes.link import Link
-from strategies import Async, Sync
+from tensorbus.bus.layout import Layout
+from tensorbus.bus.messages import Changes, Kind, Phase, Weights
+from tensorbus.bus.transport import TOPIC_ALL, TOPIC_SHARED
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.nodes.changes import GIVE_UP, Differ, Touched, apply, out_of_range, plain_sgd_lr
+from tensorbus.nodes.link import Link
+from tensorbus.strategies import Async, Sync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -335,7 +335,7 @@ def test_async_topk_broadcasts_changes_and_every_worker_ends_with_the_final_weig
 
 def test_local_async_with_topk_trains(tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
-    command = [sys.executable, "-m", "run", "local", str(ROOT / "examples" / "digits.py"),
+    command = [sys.executable, "-m", "tensorbus", "local", str(ROOT / "examples" / "digits.py"),
                "--workers", "2", "--strategy", "async", "--compress", "topk:0.05",
                "--steps", "300", "--batch-size", "16", "--lr", "0.1", "--metrics", str(metrics),
                "--threads", "1", "--no-progress", "--heartbeat", "0.2", "--timeout", "5"]

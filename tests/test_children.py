@@ -26,12 +26,12 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
 PREAMBLE = """\
 import asyncio, json, os, signal, sys, time
-from run.children import Forks, can_fork
+from tensorbus.run.children import Forks, can_fork
 """
 
 
 def _launcher(code: str, *, close_stdin: bool = False) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
     return subprocess.Popen([sys.executable, "-c", PREAMBLE + textwrap.dedent(code)], cwd=ROOT,
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,

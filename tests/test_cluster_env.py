@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from cluster import LIVENESS, ROOT, Cluster
 
-import run.cli
-from run.cluster import (
+from tensorbus.run import cli
+from tensorbus.run.cluster import (
     DEFAULT_PORT,
     Placement,
     child_environment,
@@ -223,7 +223,7 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]
 
 
 def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    assert run.cli.main(list(argv)) == 2
+    assert cli.main(list(argv)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
     return lines[0]
@@ -290,7 +290,7 @@ def test_the_slurm_script_is_valid_bash_and_uses_real_options() -> None:
     commands = _tensorbus_commands(SLURM_SCRIPT.read_text())
     assert sorted(c[0] for c in commands) == ["coordinator", "keys", "worker"]
     for command in commands:
-        run.cli._parser().parse_args(command)  # an unknown option exits: the test fails
+        cli._parser().parse_args(command)  # an unknown option exits: the test fails
     worker = next(c for c in commands if c[0] == "worker")
     assert "--workers-per-node" in worker and "--connect" not in worker
 
@@ -304,7 +304,7 @@ class EnvCluster(Cluster):
                  *args: str) -> subprocess.Popen[str]:
         with (self.tmp / log).open("a") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-m", "run", *args], cwd=ROOT, text=True, env=dict(environ),
+                [sys.executable, "-m", "tensorbus", *args], cwd=ROOT, text=True, env=dict(environ),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
             )
         self._all.append(process)
@@ -381,7 +381,7 @@ def test_a_node_whose_workers_fail_fails(tmp_path: Path) -> None:
     line, the first failure's, and exits 1 (not 0, as if its workers had trained)."""
     with _free_listener() as port:  # nothing will answer on it
         done = subprocess.run(
-            [sys.executable, "-m", "run", "worker", str(ROOT / "examples" / "digits.py"),
+            [sys.executable, "-m", "tensorbus", "worker", str(ROOT / "examples" / "digits.py"),
              "--workers-per-node", "2", "--connect", f"tcp://127.0.0.1:{port}",
              "--join-timeout", "1", "--threads", "1"],
             cwd=ROOT, env=_clean(), capture_output=True, text=True, timeout=35,

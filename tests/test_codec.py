@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from bus.codec import (
+from tensorbus.bus.codec import (
     CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     DTYPES,
@@ -29,7 +29,7 @@ from bus.codec import (
     decode,
     encode,
 )
-from bus.errors import (
+from tensorbus.bus.errors import (
     ByteLengthError,
     DtypeError,
     FrameCountError,
@@ -40,8 +40,8 @@ from bus.errors import (
     UnknownKindError,
     WireError,
 )
-from bus.layout import Layout
-from bus.messages import (
+from tensorbus.bus.layout import Layout
+from tensorbus.bus.messages import (
     COORDINATOR,
     PROTOCOL_VERSION,
     SCHEMA,
@@ -62,7 +62,7 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.pieces import Pieces, whole
+from tensorbus.bus.pieces import Pieces, whole
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -27,19 +27,19 @@ import msgpack
 import pytest
 import torch
 
-from bus.codec import CHUNK_BYTES, MAX_TENSORS, decode, encode
-from bus.errors import (
+from tensorbus.bus.codec import CHUNK_BYTES, MAX_TENSORS, decode, encode
+from tensorbus.bus.errors import (
     ByteLengthError,
     DtypeError,
     MalformedHeaderError,
     PeerTimeoutError,
 )
-from bus.messages import Collective, Pull, Reject, Result
-from bus.pieces import Pieces, whole
-from bus.security import load_client_keys, load_server_keys, make_keys
-from bus.transport import ZmqClient, new_event_loop
-from nodes import CollectiveMismatchError, Group, GroupFailedError, GroupServer
-from nodes.rendezvous import Rendezvous, tensor_spec
+from tensorbus.bus.messages import Collective, Pull, Reject, Result
+from tensorbus.bus.pieces import Pieces, whole
+from tensorbus.bus.security import load_client_keys, load_server_keys, make_keys
+from tensorbus.bus.transport import ZmqClient, new_event_loop
+from tensorbus.nodes import CollectiveMismatchError, Group, GroupFailedError, GroupServer
+from tensorbus.nodes.rendezvous import Rendezvous, tensor_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 10.0  # collectives in tests that are not about deadlines
@@ -427,10 +427,10 @@ def test_processes_get_what_gloo_computes_on_the_same_inputs(size: int, tmp_path
         ours, gloo = both["tensorbus"], both["gloo"]
         for kind in ("broadcast", "allgather", "max"):
             assert len(ours[kind]) == len(gloo[kind]) > 0
-            assert all(torch.equal(a, b) for a, b in zip(ours[kind], gloo[kind])), (r, kind)
+            assert all(torch.equal(a, b) for a, b in zip(ours[kind], gloo[kind], strict=True)), (r, kind)
         for kind in ("sum", "mean"):
             assert len(ours[kind]) == len(gloo[kind]) > 0
-            for a, b in zip(ours[kind], gloo[kind]):
+            for a, b in zip(ours[kind], gloo[kind], strict=True):
                 assert a.dtype == b.dtype
                 if a.is_floating_point() and size > 2:  # three terms: gloo may add in another order
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -438,7 +438,8 @@ def test_processes_get_what_gloo_computes_on_the_same_inputs(size: int, tmp_path
                     assert torch.equal(a, b), (r, kind)
         # Reduced in rank order at one place: every rank holds the very same bytes.
         for kind in ("sum", "mean"):
-            assert all(torch.equal(a, b) for a, b in zip(ours[kind], saved[0]["tensorbus"][kind]))
+            first = saved[0]["tensorbus"][kind]
+            assert all(torch.equal(a, b) for a, b in zip(ours[kind], first, strict=True))
 
 
 @pytest.mark.timeout(60)

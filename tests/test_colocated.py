@@ -15,8 +15,8 @@ import pytest
 import torch
 from equivalence import BATCH, digits, initial, max_difference, sgd
 
-from nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
+from tensorbus.nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -28,11 +28,11 @@ from test_local import (
     _wait_for_a_step,
 )
 
-from run.options import RunOptions
+from tensorbus.run.options import RunOptions
 
 pytestmark = pytest.mark.timeout(180)
 
-CHILD = "run.colocated"  # the module a colocated worker process runs
+CHILD = "tensorbus.run.colocated"  # the module a colocated worker process runs
 FORKED = "tb colocated"  # the name of one forked from `local` (run.children), with its rank
 
 
@@ -168,9 +168,9 @@ def test_a_refusal_is_one_line_from_the_command() -> None:
 
 
 def test_the_child_entry_point_is_not_a_command() -> None:
-    """`python -m run.colocated` only takes orders from `local`: with none, it says so."""
+    """`python -m tensorbus.run.colocated` only takes orders from `local`: with none, it says so."""
     done = subprocess.run([sys.executable, "-m", CHILD], cwd=ROOT, input="", text=True,
                           capture_output=True, timeout=60, check=False)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("error: python -m run.colocated is started by `tensorbus "
+    assert done.stderr.strip() == ("error: python -m tensorbus.run.colocated is started by `tensorbus "
                                    "local --colocate`, which gives it its orders on stdin")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from nodes.worker import _finishing, _in_thread
+from tensorbus.nodes.worker import _finishing, _in_thread
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -53,7 +53,7 @@ def test_the_result_comes_back_when_nothing_fails() -> None:
 
 def test_a_long_wait_for_the_thread_says_why(monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr("nodes.worker.FINISHING_SAY_S", 0.05)
+    monkeypatch.setattr("tensorbus.nodes.worker.FINISHING_SAY_S", 0.05)
 
     async def train() -> None:
         _compute, done = _in_thread(asyncio.get_running_loop(), lambda: time.sleep(0.4))

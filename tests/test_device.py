@@ -5,6 +5,7 @@ device and skips with the reason where there is none."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nodes.config import WorkerConfig
-from nodes.flat import FlatModel
-from run.device import resolve
+from tensorbus.nodes.config import WorkerConfig
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.run.device import resolve
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ def test_devices_resolve(name: str, local_rank: int, gpus: int, want: str) -> No
     ("gpu", 0, 1, "--device gpu: choose auto, cpu, cuda or cuda:N"),
 ])
 def test_impossible_devices_are_refused(name: str, local_rank: int, gpus: int, error: str) -> None:
-    with pytest.raises(ValueError, match="^" + error.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+    with pytest.raises(ValueError, match="^" + re.escape(error)):
         resolve(name, local_rank, cuda_devices=gpus)
 
 
@@ -85,7 +86,7 @@ def test_local_trains_on_the_gpu() -> None:
     figures = []
     for device in ("cpu", "cuda"):
         done = subprocess.run(
-            [sys.executable, "-m", "run", "local", str(ROOT / "examples" / "digits.py"),
+            [sys.executable, "-m", "tensorbus", "local", str(ROOT / "examples" / "digits.py"),
              "--workers", "2", "--steps", "20", "--threads", "1", "--no-progress",
              "--device", device], cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -99,7 +100,7 @@ def test_local_trains_on_the_gpu() -> None:
 def test_cuda_without_a_gpu_is_one_line() -> None:
     """The README's Errors row, word for word."""
     done = subprocess.run(
-        [sys.executable, "-m", "run", "local", str(ROOT / "examples" / "digits.py"),
+        [sys.executable, "-m", "tensorbus", "local", str(ROOT / "examples" / "digits.py"),
          "--workers", "1", "--steps", "1", "--device", "cuda"],
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cluster import Cluster
 
-import run.cli
+from tensorbus.run import cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,9 +32,9 @@ DIGITS = str(ROOT / "examples" / "digits.py")
 def _tensorbus(*args: str, python: str | None = None,
                timeout: float = 45) -> subprocess.CompletedProcess[str]:
     """`tensorbus ARGS`, or the same after running `python` first (to fake another build)."""
-    code = "import sys; from run.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from tensorbus.run.cli import main; sys.exit(main(sys.argv[1:]))"
     command = [sys.executable, "-c", f"{python}; {code}"] if python else [
-        sys.executable, "-m", "run"]
+        sys.executable, "-m", "tensorbus"]
     return subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL, check=False)
 
@@ -111,7 +111,7 @@ def test_workers_that_never_join() -> None:
 def test_an_interrupt_while_starting_is_one_line_and_status_130() -> None:
     """Ctrl-C while Python still imports torch (run.entry), before any signal handler of
     ours: the same one line and status as an interrupt at any later point."""
-    process = subprocess.Popen([sys.executable, "-m", "run", "local", DIGITS, "--workers", "2"],
+    process = subprocess.Popen([sys.executable, "-m", "tensorbus", "local", DIGITS, "--workers", "2"],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                stdin=subprocess.DEVNULL, text=True)
     try:
@@ -131,7 +131,7 @@ def test_an_interrupt_in_a_finalizer_is_noted_and_not_printed() -> None:
     importlib's module-lock callback, as seen once in CI during the test above): noted,
     so that the run ends as interrupted in its one line, and not printed."""
     probe = ("import os, signal, sys, time\n"
-             "from run import interrupts\n"
+             "from tensorbus.run import interrupts\n"
              "interrupts.note()\n"
              "class Finalized:\n"
              "    def __del__(self):\n"
@@ -401,16 +401,18 @@ def test_a_worker_without_keys_for_a_coordinator_with_them(keyed: Cluster) -> No
 
 def test_a_worker_of_another_release(keyed: Cluster) -> None:
     line, _ = _worker_of(keyed, "--keys", str(keyed.tmp / "keys"), "--key-name", "alice",
-                         python="import nodes.link; nodes.link.BUILD = '9.9.9'")
-    from bus.messages import BUILD
+                         python=("import tensorbus.nodes.link as link; "
+                                 "link.BUILD = '9.9.9'"))
+    from tensorbus.bus.messages import BUILD
     assert line == (f"error: rejected (build): the worker runs tensorbus 9.9.9, the coordinator "
                     f"{BUILD}: install the same release on both")
 
 
 def test_a_worker_of_another_protocol(keyed: Cluster) -> None:
     line, seconds = _worker_of(keyed, "--keys", str(keyed.tmp / "keys"), "--key-name", "alice",
-                               python="import bus.codec; bus.codec.PROTOCOL_VERSION = 1")
-    from bus.messages import PROTOCOL_VERSION
+                               python=("import tensorbus.bus.codec as codec; "
+                                       "codec.PROTOCOL_VERSION = 1"))
+    from tensorbus.bus.messages import PROTOCOL_VERSION
     assert line == (
         f"error: rejected (protocol): the coordinator speaks protocol {PROTOCOL_VERSION}, this "
         "worker 1: run the same tensorbus release on the coordinator and every worker")
@@ -423,12 +425,12 @@ def test_a_bug_is_one_line_and_its_traceback_is_for_debug(
     def broken(args: object) -> int:
         raise KeyError("oops")
 
-    monkeypatch.setattr(run.cli, "_keys", broken)
-    assert run.cli.main(["keys", str(tmp_path)]) == 1
+    monkeypatch.setattr(cli, "_keys", broken)
+    assert cli.main(["keys", str(tmp_path)]) == 1
     assert capsys.readouterr().err.splitlines() == [
         "tensorbus: error: internal error: KeyError: 'oops' (a bug in tensorbus: run again with "
         "--debug and report the traceback)"]
-    assert run.cli.main(["keys", str(tmp_path), "--debug"]) == 1
+    assert cli.main(["keys", str(tmp_path), "--debug"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):") and "in broken" in err
     assert err.splitlines()[-1].startswith("tensorbus: error: internal error: KeyError")

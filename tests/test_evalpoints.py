@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from nodes import Coordinator, CoordinatorConfig
-from nodes.evalpoints import EvalPoints, EvaluateError, figures
-from nodes.metrics import Metrics
-from strategies import Sync
+from tensorbus.nodes import Coordinator, CoordinatorConfig
+from tensorbus.nodes.evalpoints import EvalPoints, EvaluateError, figures
+from tensorbus.nodes.metrics import Metrics
+from tensorbus.strategies import Sync
 
 pytestmark = pytest.mark.timeout(30)
 

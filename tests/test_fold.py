@@ -19,11 +19,11 @@ import torch
 from specs import load_example
 from torch import nn
 
-from bus.messages import Push
-from bus.pieces import fold
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from nodes.fold import Fold, next_to_fold
-from strategies import Sync
+from tensorbus.bus.messages import Push
+from tensorbus.bus.pieces import fold
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.nodes.fold import Fold, next_to_fold
+from tensorbus.strategies import Sync
 
 pytestmark = pytest.mark.timeout(60)
 

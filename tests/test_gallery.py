@@ -18,14 +18,14 @@ import torch
 from test_fold import LR, _model, _worker
 from test_shared import _ours
 
-from bus.buffers import SendBuffers
-from bus.codec import decode, encode
-from bus.messages import Weights
-from bus.shared import ROOT, Gallery, Shelf
-from nodes import Coordinator, CoordinatorConfig, Worker
-from nodes.faults import Faults
-from nodes.worker import COPY_AFTER_REDO, ComputeError, WorkerReport
-from strategies import Async, Sync
+from tensorbus.bus.buffers import SendBuffers
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.messages import Weights
+from tensorbus.bus.shared import ROOT, Gallery, Shelf
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker
+from tensorbus.nodes.faults import Faults
+from tensorbus.nodes.worker import COPY_AFTER_REDO, ComputeError, WorkerReport
+from tensorbus.strategies import Async, Sync
 
 pytestmark = pytest.mark.skipif(not ROOT.is_dir() or not Gallery.usable(),
                                 reason="no /dev/shm, or not x86-64 (weights go as bytes)")

@@ -24,16 +24,16 @@ import torch
 from equivalence import BATCH, LR, digits, max_difference, sgd
 from torch import nn
 
-from bus.buffers import SendBuffers
-from bus.layout import Layout
-from bus.messages import Changes, Weights
-from bus.pieces import Pieces, copy_into
-from nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from nodes.coordinator import Progress
-from nodes.handover import Handover
-from nodes.link import Newer
-from nodes.shards import ShardModel, assemble
-from strategies import PeriodicAveraging, Strategy, Sync
+from tensorbus.bus.buffers import SendBuffers
+from tensorbus.bus.layout import Layout
+from tensorbus.bus.messages import Changes, Weights
+from tensorbus.bus.pieces import Pieces, copy_into
+from tensorbus.nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.nodes.coordinator import Progress
+from tensorbus.nodes.handover import Handover
+from tensorbus.nodes.link import Newer
+from tensorbus.nodes.shards import ShardModel, assemble
+from tensorbus.strategies import PeriodicAveraging, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -143,7 +143,8 @@ def test_the_worker_binds_to_the_set_then_leaves_it_untouched_for_changes() -> N
     # Version 2 from the shard beside it comes as Changes: loaded into the worker's own
     # buffers, never into the set, which the shard may be sending.
     at = torch.tensor([0, 5], dtype=torch.int64)
-    _load(worker, [None, Newer(None, (Changes(version=2, base=1, tensors=(at, torch.tensor([-1.0, -2.0]))),))])
+    changes = Changes(version=2, base=1, tensors=(at, torch.tensor([-1.0, -2.0])))
+    _load(worker, [None, Newer(None, (changes,))])
     assert worker.flat.weights is worker._own and handover.bound is None and not handover.held(made)
     assert torch.equal(made[0], before)
     mine = layout.shard(1, 2).take(worker.flat.weights)[0]

@@ -59,10 +59,10 @@ import zmq.asyncio
 from specs import load_example
 from zmq.utils.monitor import parse_monitor_message
 
-from bus.codec import MAX_HEADER_BYTES, MAX_TENSORS, decode, encode
-from bus.errors import WireError
-from bus.layout import Layout
-from bus.messages import (
+from tensorbus.bus.codec import MAX_HEADER_BYTES, MAX_TENSORS, decode, encode
+from tensorbus.bus.errors import WireError
+from tensorbus.bus.layout import Layout
+from tensorbus.bus.messages import (
     BUILD,
     Ack,
     Heartbeat,
@@ -78,10 +78,10 @@ from bus.messages import (
     Weights,
     Welcome,
 )
-from bus.shared import SharedTensorError, Shelf
-from bus.transport import ZmqClient
-from nodes import Coordinator, CoordinatorConfig, State, Worker, WorkerConfig
-from strategies import Sync
+from tensorbus.bus.shared import SharedTensorError, Shelf
+from tensorbus.bus.transport import ZmqClient
+from tensorbus.nodes import Coordinator, CoordinatorConfig, State, Worker, WorkerConfig
+from tensorbus.strategies import Sync
 
 SEED: Final = 20_240_611
 WORKERS: Final = 2
@@ -173,7 +173,7 @@ def reference() -> Reference:
         return coordinator, summary
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("nodes.link.ZmqClient", _client_factory(_Recording, pushes=pushes))
+        patch.setattr("tensorbus.nodes.link.ZmqClient", _client_factory(_Recording, pushes=pushes))
         coordinator, summary = asyncio.run(train())
     assert summary["steps"] == STEPS and summary["rejected"] == {} and summary["dropped"] == {}
     return Reference(_weights(coordinator), pushes)
@@ -578,7 +578,10 @@ async def _fuzz_run(reference: Reference) -> FuzzOutcome:
     replays = [reference.pushes[key] for key in sorted(reference.pushes) if key[1] < 10]
     plan = plan_fuzz(layout, max_bytes, replays)
     run = asyncio.create_task(coordinator.run())
-    held = lambda rank, world, batch: _Held(digits.data(rank, world, batch), gate)
+
+    def held(rank: int, world: int, batch: int) -> _Held:
+        return _Held(digits.data(rank, world, batch), gate)
+
     workers = [asyncio.create_task(_worker(endpoint, rank, held).run()) for rank in range(WORKERS)]
     context = zmq.asyncio.Context()
     # Closed by hand: a socket left to the garbage collector warns, which fails the test.
@@ -711,7 +714,7 @@ def test_hostile_pushes_from_a_member_are_dropped_and_never_applied(
     caplog.set_level(logging.WARNING, logger="tensorbus.coordinator")
     with pytest.MonkeyPatch.context() as patch:
         layout = _coordinator().flat.layout
-        patch.setattr("nodes.link.ZmqClient", _client_factory(
+        patch.setattr("tensorbus.nodes.link.ZmqClient", _client_factory(
             _LyingMember, layout=layout, lies=lies, answers=answers))
         coordinator, summary = asyncio.run(train())
 

@@ -30,12 +30,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from bus.codec import CHUNK_BYTES, decode, encode
-from bus.messages import Push, Weights
-from bus.pieces import Pieces, all_finite
-from nodes import Coordinator, CoordinatorConfig
-from nodes.flat import FlatModel
-from strategies import Sync
+from tensorbus.bus.codec import CHUNK_BYTES, decode, encode
+from tensorbus.bus.messages import Push, Weights
+from tensorbus.bus.pieces import Pieces, all_finite
+from tensorbus.nodes import Coordinator, CoordinatorConfig
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.strategies import Sync
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def test_no_step_after_the_first_allocates_a_gradient_sized_buffer() -> None:
 
 def test_glibc_takes_the_request_to_keep_freed_memory() -> None:
     """run.memory asks glibc's malloc to keep freed blocks; glibc accepts the settings."""
-    from run.memory import keep_freed_memory
+    from tensorbus.run.memory import keep_freed_memory
 
     assert keep_freed_memory()
 
@@ -136,8 +136,8 @@ _STEPS = """
 import resource, sys, concurrent.futures
 import torch
 from torch import nn
-from nodes.flat import FlatModel
-from run.memory import keep_freed_memory
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.run.memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 torch.set_num_threads(1)

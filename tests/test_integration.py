@@ -17,11 +17,11 @@ import zmq
 import zmq.asyncio
 from specs import load_example
 
-from bus.codec import decode, encode
-from bus.errors import RejectedError
-from bus.messages import Join, Push, Reject
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from strategies import Sync
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.errors import RejectedError
+from tensorbus.bus.messages import Join, Push, Reject
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.strategies import Sync
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,7 +180,7 @@ def test_a_worker_that_misses_every_broadcast_catches_up_by_pulling(
 ) -> None:
     """The clone pattern: with its SUB socket never connected, a worker learns of each new
     version by asking, and ends on the same weights as the coordinator."""
-    from bus.transport import ZmqClient
+    from tensorbus.bus.transport import ZmqClient
 
     async def scenario() -> tuple[Worker, Worker, dict]:
         coordinator = _coordinator(2, 6, 8, heartbeat_s=0.05, timeout_s=5.0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_hot_path import Allocations
 
-from nodes.largest import SHORT, Largest
+from tensorbus.nodes.largest import SHORT, Largest
 
 pytestmark = pytest.mark.timeout(60)
 

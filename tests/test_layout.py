@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from bus.errors import LayoutError
-from bus.layout import Bucket, Entry, Layout
-from bus.messages import RejectCode
+from tensorbus.bus.errors import LayoutError
+from tensorbus.bus.layout import Bucket, Entry, Layout
+from tensorbus.bus.messages import RejectCode
 
 pytestmark = pytest.mark.timeout(30)
 

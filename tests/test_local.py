@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "examples" / "digits.py"
-TENSORBUS = [sys.executable, "-m", "run"]
+TENSORBUS = [sys.executable, "-m", "tensorbus"]
 FAST = ["--threads", "1", "--no-progress", "--heartbeat", "0.2", "--timeout", "5"]
 
 
@@ -101,7 +101,7 @@ def test_what_a_worker_prints_is_relayed(tmp_path: Path, started: str) -> None:
     if started == "forked":
         result = _run(["local", str(spec), "--workers", "2", "--steps", "2", *FAST])
     else:
-        api = ("import json, sys; from run import launch_local; from run.options import "
+        api = ("import json, sys; from tensorbus.run import launch_local; from tensorbus.run.options import "
                "RunOptions; print(json.dumps(launch_local(sys.argv[1], RunOptions("
                "workers=2, steps=2), threads=1)))")
         result = subprocess.run([sys.executable, "-c", api, str(spec)], cwd=ROOT, text=True,

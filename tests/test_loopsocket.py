@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
-from bus.loopsocket import LoopSocket
+from tensorbus.bus.loopsocket import LoopSocket
 
 pytestmark = pytest.mark.timeout(30)
 WITHIN_S = 5.0  # an await that takes longer fails the test, not hangs it

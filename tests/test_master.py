@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from nodes import Coordinator, CoordinatorConfig
-from strategies import PeriodicAveraging, Sync
+from tensorbus.nodes import Coordinator, CoordinatorConfig
+from tensorbus.strategies import PeriodicAveraging, Sync
 
 pytestmark = pytest.mark.timeout(60)
 LR = 0.01
@@ -126,7 +126,7 @@ def test_a_snapshot_taken_again_without_a_step_keeps_the_sends_that_read_it() ->
 
 
 def test_a_send_under_way_keeps_its_snapshot_busy_until_it_returns_and_is_done() -> None:
-    from nodes.master import Snapshot, tracked
+    from tensorbus.nodes.master import Snapshot, tracked
 
     async def scenario() -> None:
         snapshot = Snapshot(0, ())

@@ -19,10 +19,10 @@ import zmq
 import zmq.asyncio
 from specs import load_example
 
-from bus.codec import decode, encode
-from bus.messages import BUILD, Join, Message, Ready, Reject, Welcome
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.messages import BUILD, Join, Message, Ready, Reject, Welcome
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(60)
 

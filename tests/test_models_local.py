@@ -37,7 +37,7 @@ def _local(tmp_path: Path, *args: str, workers: int, straggler: int | None = Non
     if straggler is not None:
         faults.append(f"--fault=slow:{straggler}:{STRAGGLER_MS}")
     done = subprocess.run(
-        [sys.executable, "-m", "run", "local", str(spec), "--workers", str(workers), *FAST,
+        [sys.executable, "-m", "tensorbus", "local", str(spec), "--workers", str(workers), *FAST,
          "--metrics", str(metrics), *faults, *args],
         cwd=ROOT, capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL, check=False,
     )
@@ -124,7 +124,7 @@ def test_a_crash_below_the_minimum_ends_the_run_at_the_version_it_came(tmp_path:
     spec, checkpoints = tmp_path / "digits.py", tmp_path / "ck"
     shutil.copy(DIGITS, spec)
     done = subprocess.run(
-        [sys.executable, "-m", "run", "local", str(spec), "--workers", "3", "--min-workers", "3",
+        [sys.executable, "-m", "tensorbus", "local", str(spec), "--workers", "3", "--min-workers", "3",
          "--threads", "1", "--no-progress", "--heartbeat", "2", "--steps", "100000",
          "--fault=crash:2:10", "--checkpoint-dir", str(checkpoints)],
         cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)

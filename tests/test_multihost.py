@@ -46,7 +46,7 @@ class NetCluster(Cluster):
     def _start_in(self, namespace: str, *args: str, log: str) -> subprocess.Popen[str]:
         with (self.tmp / log).open("a") as stderr:
             process = subprocess.Popen(
-                [*self.net.exec(namespace), sys.executable, "-m", "run", *args], cwd=ROOT,
+                [*self.net.exec(namespace), sys.executable, "-m", "tensorbus", *args], cwd=ROOT,
                 text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
             )
         self._all.append(process)  # reaped with the rest
@@ -86,7 +86,7 @@ def net_cluster(tmp_path: Path, workers: int) -> Iterator[NetCluster]:
 
 def _tensorbus(*args: str) -> subprocess.CompletedProcess[str]:
     """A short command that needs no network (`keys`), run here."""
-    return subprocess.run([sys.executable, "-m", "run", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tensorbus", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, stdin=subprocess.DEVNULL, check=False)
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from specs import load_example
 
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from run.status import StatusTable
-from strategies import Sync
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.run.status import StatusTable
+from tensorbus.strategies import Sync
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_RANK, SLOW_MS = 2, 60
@@ -38,7 +38,7 @@ def slowed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("observe")
     metrics, trace = tmp / "m.jsonl", tmp / "t.json"
     done = subprocess.run(
-        [sys.executable, "-m", "run", "local", "examples/digits.py", "--workers", "3",
+        [sys.executable, "-m", "tensorbus", "local", "examples/digits.py", "--workers", "3",
          "--steps", "30", "--threads", "1", "--heartbeat", "0.2", "--no-progress",
          "--fault", f"slow:{SLOW_RANK}:{SLOW_MS}", "--metrics", str(metrics),
          "--trace", str(trace), "--status", "0.5"],
@@ -145,7 +145,7 @@ def test_sigusr1_while_starting_is_let_pass() -> None:
     """`local` ignores a USR1 that comes while it starts, before the table listens (as it
     does once training is over), where the signal's default would end it."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "run", "local", str(ROOT / "examples" / "digits.py"),
+        [sys.executable, "-m", "tensorbus", "local", str(ROOT / "examples" / "digits.py"),
          "--workers", "2", "--steps", "5", "--threads", "1", "--no-progress"],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
@@ -161,7 +161,7 @@ def test_enter_on_the_terminal_prints_the_table() -> None:
     pid, terminal = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal, and it is in the foreground
         os.chdir(ROOT)
-        os.execv(sys.executable, [sys.executable, "-m", "run", "local", "examples/digits.py",
+        os.execv(sys.executable, [sys.executable, "-m", "tensorbus", "local", "examples/digits.py",
                                   "--workers", "2", "--steps", "100000", "--threads", "1",
                                   "--heartbeat", "0.2", "--fault", "slow:0:10"])
     output, asked = b"", False

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from bus.pieces import (
+from tensorbus.bus.pieces import (
     Pieces,
     all_finite,
     copy_into,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from run.plot import PlotError, _moving_average, _read, plot
+from tensorbus.run.plot import PlotError, _moving_average, _read, plot
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -251,8 +251,8 @@ def test_runs_without_evals_or_telemetry_still_plot(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_two_real_runs_of_digits_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from run import launch_local
-    from run.options import RunOptions
+    from tensorbus.run import launch_local
+    from tensorbus.run.options import RunOptions
 
     paths = []
     for strategy in ("sync", "async"):
@@ -280,7 +280,7 @@ def test_the_plot_command_draws_and_says_what_is_wrong_in_one_line(tmp_path: Pat
     root = Path(__file__).resolve().parent.parent
 
     def tensorbus(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "run", "plot", *args], cwd=root,
+        return subprocess.run([sys.executable, "-m", "tensorbus", "plot", *args], cwd=root,
                               capture_output=True, text=True, timeout=50, check=False)
 
     done = tensorbus(str(a), str(b), "-o", str(tmp_path / "p.png"), "--label", "sync",

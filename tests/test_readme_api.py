@@ -34,8 +34,8 @@ def test_the_python_api_section_runs_as_written() -> None:
 
 
 def test_version_says_the_release_and_the_wire_protocol(capsys: pytest.CaptureFixture[str]) -> None:
-    from bus.messages import BUILD, PROTOCOL_VERSION
-    from run.cli import main
+    from tensorbus.bus.messages import BUILD, PROTOCOL_VERSION
+    from tensorbus.run.cli import main
 
     with pytest.raises(SystemExit) as exited:
         main(["--version"])

@@ -15,8 +15,8 @@ import torch
 from cluster import free_ports
 from equivalence import BATCH, digits, initial, max_difference, sgd
 
-from bus.errors import RejectedError
-from nodes import (
+from tensorbus.bus.errors import RejectedError
+from tensorbus.nodes import (
     Coordinator,
     CoordinatorConfig,
     RunFailedError,
@@ -24,8 +24,8 @@ from nodes import (
     Worker,
     WorkerConfig,
 )
-from nodes.relay import Relay
-from strategies import Async, PeriodicAveraging, Strategy, Sync
+from tensorbus.nodes.relay import Relay
+from tensorbus.strategies import Async, PeriodicAveraging, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -143,7 +143,7 @@ def _summary(stdout: str) -> dict:
 def test_a_tree_of_processes_trains_to_the_flat_runs_accuracy() -> None:
     """`tensorbus coordinator` as the root, two `tensorbus relay` processes, two `tensorbus
     worker`s under each: the root's evaluation equals `tensorbus local --workers 4`'s."""
-    run = [sys.executable, "-m", "run"]
+    run = [sys.executable, "-m", "tensorbus"]
     quiet = ["--threads", "1", "--log-level", "error"]
     flat = subprocess.run([*run, "local", str(DIGITS), "--workers", "4", "--steps", "12",
                            "--no-progress", *quiet], cwd=ROOT, capture_output=True, text=True,

@@ -20,7 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from bus.security import (
+from tensorbus.bus.security import (
     ClientKeys,
     KeysError,
     ServerKeys,
@@ -28,7 +28,7 @@ from bus.security import (
     load_server_keys,
     make_keys,
 )
-from bus.transport import ZmqClient, ZmqServer
+from tensorbus.bus.transport import ZmqClient, ZmqServer
 
 LIMIT = 1 << 20
 WINDOW_S = 1.0  # how long an outsider gets to try; loopback handshakes take milliseconds

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _tensorbus(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "run", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tensorbus", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, stdin=subprocess.DEVNULL, check=False)
 
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import zmq
 
-from bus.buffers import Tracker
-from bus.loopsocket import LoopSocket
-from bus.transport import TRACK_ABOVE, _send
+from tensorbus.bus.buffers import Tracker
+from tensorbus.bus.loopsocket import LoopSocket
+from tensorbus.bus.transport import TRACK_ABOVE, _send
 
 pytestmark = pytest.mark.timeout(30)
 Receive = Callable[[bool], Awaitable[list[Any]]]

@@ -15,10 +15,10 @@ import torch
 from cluster import free_ports
 from equivalence import BATCH, digits, initial, max_difference, sgd
 
-from bus.layout import Layout
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from nodes.shards import ShardModel, assemble
-from strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
+from tensorbus.bus.layout import Layout
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.nodes.shards import ShardModel, assemble
+from tensorbus.strategies import Async, PeriodicAveraging, StaleSync, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -140,7 +140,7 @@ def _summary(stdout: str) -> dict:
     return json.loads(stdout[stdout.index("{"):])
 
 
-RUN = [sys.executable, "-m", "run"]
+RUN = [sys.executable, "-m", "tensorbus"]
 QUIET = ["--threads", "1", "--no-progress"]
 
 

@@ -29,16 +29,16 @@ import zmq.asyncio
 from test_fold import LR, _model, _worker
 from torch import nn
 
-from bus.codec import decode, encode
-from bus.errors import WireError
-from bus.messages import BUILD, Ack, Join, Push, Ready, RejectCode, Weights, Welcome
-from bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
-from nodes import Coordinator, CoordinatorConfig
-from nodes.faults import Faults
-from nodes.flat import FlatModel
-from nodes.outbox import Keeping
-from strategies import Async, StaleSync, Sync
-from strategies.base import PushKind, Rhythm, Wait
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.errors import WireError
+from tensorbus.bus.messages import BUILD, Ack, Join, Push, Ready, RejectCode, Weights, Welcome
+from tensorbus.bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
+from tensorbus.nodes import Coordinator, CoordinatorConfig
+from tensorbus.nodes.faults import Faults
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.nodes.outbox import Keeping
+from tensorbus.strategies import Async, StaleSync, Sync
+from tensorbus.strategies.base import PushKind, Rhythm, Wait
 
 pytestmark = pytest.mark.skipif(not ROOT.is_dir(), reason="no /dev/shm on this machine")
 
@@ -537,8 +537,8 @@ def test_a_coordinator_copies_a_rejoining_workers_held_push_out_of_its_segment()
     """Kept for a step that waits for a straggler, a push by reference would be rewritten by
     its worker's next backward once it joins again: the coordinator copies it first, and
     the fold's record of it (which a NaN push after it folds again from) too."""
-    from nodes.coordinator import _Held
-    from nodes.fold import Fold
+    from tensorbus.nodes.coordinator import _Held
+    from tensorbus.nodes.fold import Fold
 
     coordinator = Coordinator(model=_model(), strategy=Sync(workers=2),
                               config=CoordinatorConfig(steps=1))
@@ -585,7 +585,7 @@ def test_a_forked_process_that_drops_its_copy_of_a_segment_leaves_the_file() -> 
     stays (bus.shared._unlink is the creator's alone)."""
     import gc
 
-    from bus.shared import ROOT, _Segment
+    from tensorbus.bus.shared import ROOT, _Segment
 
     segment = _Segment(4096)
     path = ROOT / segment.name

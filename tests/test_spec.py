@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from run.spec import SpecError, load_spec
+from tensorbus.run.spec import SpecError, load_spec
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from strategies import (
+from tensorbus.strategies import (
     STRATEGIES,
     Apply,
     Arrived,

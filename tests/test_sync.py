@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from strategies import (
+from tensorbus.strategies import (
     Apply,
     Arrived,
     Drop,

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from bus.messages import Push
-from nodes.metrics import Metrics
-from nodes.telemetry import Telemetry
-from nodes.trace import Trace, load
-from nodes.watch import Status, Watch, WorkerStatus
-from run.status import format_status
+from tensorbus.bus.messages import Push
+from tensorbus.nodes.metrics import Metrics
+from tensorbus.nodes.telemetry import Telemetry
+from tensorbus.nodes.trace import Trace, load
+from tensorbus.nodes.watch import Status, Watch, WorkerStatus
+from tensorbus.run.status import format_status
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -156,7 +156,7 @@ def test_insane_figures_from_a_peer_leave_the_metrics_and_trace_valid_json(tmp_p
     watch.close()
     metrics.close(metrics.summary({}))
     for line in (tmp_path / "m.jsonl").read_text().splitlines():
-        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}"))
+        json.loads(line, parse_constant=lambda c, line=line: pytest.fail(f"{c} in {line}"))
     json.loads((tmp_path / "t.json").read_text(),
                parse_constant=lambda c: pytest.fail(f"{c} in the trace"))
     assert metrics.per_worker[0]["compute_s"] == 0.0 and metrics.per_worker[0]["comm_s"] == 0.0

@@ -18,10 +18,10 @@ import torch
 import zmq
 from test_fold import LR, _model, _worker
 
-from bus.shared import ROOT, Gallery
-from bus.transport import TOPIC_ALL, TOPIC_SHARED, TOPIC_WEIGHTS, ZmqServer
-from nodes import Coordinator, CoordinatorConfig
-from strategies import Sync
+from tensorbus.bus.shared import ROOT, Gallery
+from tensorbus.bus.transport import TOPIC_ALL, TOPIC_SHARED, TOPIC_WEIGHTS, ZmqServer
+from tensorbus.nodes import Coordinator, CoordinatorConfig
+from tensorbus.strategies import Sync
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,13 +19,13 @@ import zmq
 import zmq.asyncio
 from specs import load_example
 
-from bus.codec import decode, encode
-from bus.layout import Compression, Layout
-from bus.messages import BUILD, Ack, Join, Push, Ready, Welcome
-from nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
-from nodes.flat import FlatModel
-from nodes.outbox import Outbox
-from strategies import Sync
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.layout import Compression, Layout
+from tensorbus.bus.messages import BUILD, Ack, Join, Push, Ready, Welcome
+from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.nodes.outbox import Outbox
+from tensorbus.strategies import Sync
 
 pytestmark = pytest.mark.timeout(60)
 
