@@ -82,10 +82,17 @@ def load_spec(source: str | Path) -> Spec:
 
 def _import(text: str) -> ModuleType | Any:
     path = Path(text)
+    if path.is_dir():
+        raise SpecError(f"SPEC {text}: is a folder: give the Python file in it that defines "
+                        "model(), data() and loss(), or module:object")
     if text.endswith(".py") or path.is_file():
         if not path.is_file():
             raise SpecError(f"SPEC {text}: no such file: give a Python file's path, or "
                             "module:object")
+        # As running a script does: the modules beside it can be imported by it.
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         name = f"tensorbus_spec_{path.stem}"
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:

@@ -144,3 +144,24 @@ def test_a_module_spec_is_found_in_the_current_folder(tmp_path: Path,
                                         r"the folder that holds it, or put that folder on PYTHONPATH"):
         load_spec("nothere:SPEC")
 
+
+
+def test_a_spec_file_imports_the_modules_beside_it(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """As running a script puts its folder on the path, from whatever folder it runs."""
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    (folder / "besidemodel.py").write_text(GOOD)
+    spec = folder / "cnn_bn.py"
+    spec.write_text("from besidemodel import model, data, loss\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(folder))])
+    monkeypatch.delitem(sys.modules, "besidemodel", raising=False)
+    assert isinstance(load_spec("specs/cnn_bn.py").build_model(), torch.nn.Linear)
+
+
+def test_a_folder_given_as_spec_says_so(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as error:
+        load_spec(tmp_path)
+    assert str(error.value) == (f"SPEC {tmp_path}: is a folder: give the Python file in it that "
+                                "defines model(), data() and loss(), or module:object")
