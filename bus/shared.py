@@ -45,14 +45,17 @@ a copy (`nodes.worker.Worker._follow_set`).
 
 Trust: a coordinator takes references only from members, only in a Push, and a worker
 only from its coordinator, only in Weights; only for float tensors, only from regular files
-of its own user named as here, and only for bytes inside them. A sender may still change its bytes after they were checked: on one host as
-one user, it could as well write the coordinator's memory.
+of its own user named as here, and only for bytes inside them. A sender may still change
+its bytes after they were checked: on one host as one user, it could as well write the coordinator's memory.
 
-Lifetime: the creator of a segment unlinks its file when it closes the arena, at exit, or,
-killed, through multiprocessing's resource tracker (a process of its own that outlives
-it). A mapping stays valid after the unlink for as long as tensors over it live. A receiver
-keeps the segments it used last mapped, a few per worker (`Shelf(kept)`), so that those of
-workers gone are let go of.
+Lifetime: the creator of a segment unlinks its file when it closes the arena, or at exit.
+A creator killed (SIGKILL, a crash, a whole cluster at once) cannot: its files are found
+and unlinked by the next tensorbus process of this user that `sweep`s, as every node does
+when it starts, a coordinator when a worker is lost and a launcher when a child ends. A
+segment's name holds its creator's pid and start time, so that a creator that is gone is
+told from a process that took its pid since. A mapping stays valid after the unlink for as
+long as tensors over it live. A receiver keeps the segments it used last mapped, a few per
+worker (`Shelf(kept)`), so that those of workers gone are let go of.
 
 Where /dev/shm is missing, full or too small, `Arena.allocate` raises OSError (the space is
 reserved with posix_fallocate, so that a full /dev/shm fails there, not with a SIGBUS on a
@@ -68,13 +71,11 @@ import os
 import platform
 import re
 import secrets
-import signal
 import stat
 import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from multiprocessing import resource_tracker
 from pathlib import Path
 
 import torch
@@ -83,7 +84,8 @@ from tensorbus.bus.errors import WireError
 
 log = logging.getLogger("tensorbus.shared")
 ROOT = Path("/dev/shm")
-_NAME = re.compile(r"tensorbus-[0-9]{1,10}-[0-9a-f]{16}")
+# tensorbus-PID-START-RANDOM: its creator's pid and start time (clock ticks since boot)
+_NAME = re.compile(r"tensorbus-([0-9]{1,10})-([0-9]{1,20})-[0-9a-f]{16}")
 _ALIGN = 4096  # each buffer of a set starts on a page
 _TOKEN_BYTES = 16
 
@@ -95,7 +97,60 @@ class SharedTensorError(WireError):
 
 
 def _new_name() -> str:
-    return f"tensorbus-{os.getpid()}-{secrets.token_hex(8)}"
+    return f"tensorbus-{os.getpid()}-{_started(os.getpid()) or 0}-{secrets.token_hex(8)}"
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot; None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may hold spaces and parentheses: count after it.
+    return int(stat_line[stat_line.rindex(b")") + 2:].split()[19])
+
+
+def creator_alive(name: str) -> bool:
+    """Whether the process that created segment `name` still runs (True for a name that
+    is not a segment's: nothing is known of it)."""
+    found = _NAME.fullmatch(name)
+    if found is None:
+        return True
+    pid, start = int(found[1]), int(found[2])
+    if not Path("/proc/self/stat").exists():  # no start times here: the pid alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    return _started(pid) == start  # (another start: a process that took the pid since)
+
+
+def sweep() -> list[str]:
+    """Unlink the segments of this user's whose creators are gone (killed before they
+    could unlink them); their names."""
+    try:
+        entries = list(os.scandir(ROOT))
+    except OSError:
+        return []
+    gone = []
+    for entry in entries:
+        if not _NAME.fullmatch(entry.name) or creator_alive(entry.name):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.unlink(entry.path)
+        except OSError:  # (unlinked meanwhile, by another sweep or its owner)
+            continue
+        gone.append(entry.name)
+    if gone:
+        log.info("unlinked %d shared-memory segment(s) of processes that were killed: %s",
+                 len(gone), ", ".join(gone))
+    return gone
 
 
 class _Segment:
@@ -105,7 +160,6 @@ class _Segment:
         self.name = _new_name()
         path = ROOT / self.name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
-        _track(self.name)
         self._unlink = weakref.finalize(self, _unlink, self.name, os.getpid())  # runs once
         try:
             os.posix_fallocate(fd, 0, max(nbytes, 1))  # ENOSPC now, not SIGBUS later
@@ -120,20 +174,6 @@ class _Segment:
         self._unlink()
 
 
-def _track(name: str) -> None:
-    """Have multiprocessing's resource tracker unlink segment `name` if this process dies
-    before it does. The tracker ignores SIGINT and SIGTERM; started here with SIGHUP
-    blocked too, it also outlives a terminal's hangup (a launcher killed in a terminal that
-    then closes), which would otherwise leave the file behind."""
-    if hasattr(signal, "pthread_sigmask"):
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
-        try:
-            resource_tracker.ensure_running()  # a child keeps the mask it was forked with
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    resource_tracker.register(f"/{name}", "shared_memory")
-
-
 def _unlink(name: str, creator: int) -> None:
     if os.getpid() != creator:
         # A process forked from the creator (a DataLoader's worker, say) holds a copy of
@@ -143,7 +183,6 @@ def _unlink(name: str, creator: int) -> None:
         os.unlink(ROOT / name)
     except FileNotFoundError:
         pass
-    resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
 class Arena:
@@ -225,8 +264,10 @@ class Gallery:
         self._counters[str(ref[0])] = counter
         return tuple(tensors)
 
-    def allocator(self, buckets: Sequence[tuple[int, torch.dtype]],
-                  otherwise: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    def allocator(
+        self, buckets: Sequence[tuple[int, torch.dtype]],
+        otherwise: Callable[[], tuple[torch.Tensor, ...]],
+    ) -> Callable[[], tuple[torch.Tensor, ...]]:
         """A function that allocates a set of `buckets` here, or, where /dev/shm cannot hold
         it, calls `otherwise` (the weights of that set then go as bytes)."""
         def allocate() -> tuple[torch.Tensor, ...]:

@@ -48,7 +48,7 @@ from tensorbus.bus.messages import (
     Welcome,
 )
 from tensorbus.bus.pieces import Received, all_finite
-from tensorbus.bus.shared import Gallery, Probe, SharedTensorError, Shelf
+from tensorbus.bus.shared import Gallery, Probe, SharedTensorError, Shelf, sweep
 from tensorbus.bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
 from tensorbus.nodes import changes as changed
 from tensorbus.nodes import checkpoint
@@ -278,6 +278,7 @@ class Coordinator:
                 try:
                     # A few segments a worker: those of workers gone are let go of.
                     kept = 2 * (self.config.max_workers or self.strategy.workers) + 2
+                    sweep()  # segments of killed processes: nobody else would unlink them
                     self._probe, self._shelf = Probe(), Shelf(kept)
                 except OSError as e:
                     log.info("workers on this host push bytes, not references: no shared "
@@ -1154,6 +1155,8 @@ class Coordinator:
                                phase=member.phase, clock=member.clock, why=why,
                                train_s=round(self.metrics.train_s(), 6))
             log.warning("%s %s", member.describe(), why)
+            if self._shelf is not None:  # a killed worker's segments: unlinked by nobody else
+                sweep()
         else:
             log.log(logging.WARNING if warn else logging.INFO, "%s %s", member.describe(), why)
         await self._check_minimum()  # (as it goes: not at the next tick, trained on meanwhile)

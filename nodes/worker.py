@@ -39,7 +39,7 @@ from tensorbus.bus.buffers import Tracker, wait_sent
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
-from tensorbus.bus.shared import Arena, Probe, Ref, Shelf
+from tensorbus.bus.shared import Arena, Probe, Ref, Shelf, sweep
 from tensorbus.bus.transport import Hub
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.flat import FlatModel
@@ -823,6 +823,7 @@ class _InFlight:
 def _probe() -> Probe | None:
     """Our bus.shared.Probe, or None where there is no shared memory to push from."""
     try:
+        sweep()  # segments of killed processes: nobody else would unlink them
         return Probe()
     except OSError as e:
         log.info("pushes carry their bytes: no shared memory here (%s)", e)

@@ -1,6 +1,9 @@
 """Shared test set-up: one torch thread per process (the CI machine has 2 cores), and a
-check that the suite leaves no shared-memory segment behind (bus.shared): a file of a
-process that is gone would stay in /dev/shm until the machine restarts."""
+check that the suite leaves no shared-memory segment behind (bus.shared): a file whose
+creator is gone would stay in /dev/shm until the machine restarts, or the next sweep.
+
+Only segments of processes that are gone count, and only those made during the session:
+a training run of the user's beside the suite (its creators alive) is not the suite's."""
 
 import gc
 import os
@@ -9,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tensorbus.bus.shared import creator_alive
 
 torch.set_num_threads(1)
 
@@ -25,19 +30,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def _left() -> set[Path]:
-    # This process's own segments go at its exit (weakref.finalize), or by its resource
-    # tracker if it dies: what nodes built in tests and never closed still holds.
-    mine = f"tensorbus-{os.getpid()}-"
-    return {p for p in _segments() - _before if not p.name.startswith(mine)}
+    return {p for p in _segments() - _before if not creator_alive(p.name)}
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     gc.collect()
-    deadline = time.monotonic() + 20  # a resource tracker unlinks after its process ended
+    deadline = time.monotonic() + 5  # a process ending now unlinks its own
     while (left := _left()) and time.monotonic() < deadline:
         time.sleep(0.2)
     if left:
         names = ", ".join(sorted(p.name for p in left))
-        print(f"\nshared-memory segments left behind in {_SHM} (this is process "
-              f"{os.getpid()}): {names}")
+        print(f"\nshared-memory segments of processes that are gone left behind in {_SHM}: "
+              f"{names}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

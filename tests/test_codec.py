@@ -148,8 +148,9 @@ SAMPLES = {
                     build="0.1.0", shared="tensorbus-2-0123456789abcdef 00112233445566778899aabbccddeeff"),
     Kind.WELCOME: Welcome(sender=COORDINATOR, request=11, version=7, rank=2, world_size=4,
                           strategy="ssp", push="weights", local_steps=3, wait="answered",
-                          batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9, compress="bf16",
-                          shared="tensorbus-1-0123456789abcdef 00112233445566778899aabbccddeeff",
+                          batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9,
+                          compress="bf16",
+                          shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
                           tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
@@ -584,7 +585,7 @@ def test_tensor_count_at_the_limit_is_accepted():
 
 
 @pytest.mark.parametrize(
-    "spec", [["float32", [6], 24], ["float32", [6], 24, 4096, ["tensorbus-1-0123456789abcdef", 0], 0],
+    "spec", [["float32", [6], 24], ["float32", [6], 24, 4096, ["tensorbus-1-5-0123456789abcdef", 0], 0],
              "float32", {"d": "float32"},
              None, []]
 )

@@ -6,7 +6,8 @@ codec. In one loop: sync over real ZeroMQ pushes by reference and makes the same
 with bytes (a NaN push dropped alike), and so do bf16/fp16 pushes (their narrow copies,
 kept across joins); async and ssp push by reference (ssp's worker past the bound still
 held); a push by reference whose worker needs no newer version is answered only once the
-coordinator has let go of it; a worker with no room in /dev/shm pushes bytes. The multi-process runs are in tests/test_colocated_local.py.
+coordinator has let go of it; a worker with no room in /dev/shm pushes bytes. The multi-process runs are in
+tests/test_colocated_local.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.messages import BUILD, Ack, Join, Push, Ready, RejectCode, Weights, Welcome
-from tensorbus.bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf
+from tensorbus.bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf, creator_alive, sweep
 from tensorbus.nodes import Coordinator, CoordinatorConfig
 from tensorbus.nodes.faults import Faults
 from tensorbus.nodes.flat import FlatModel
@@ -81,7 +82,7 @@ def test_the_receivers_mapping_is_read_only() -> None:
     """A receiver that wrote into a pushed gradient would write the sender's buffer: the
     mapping forbids it (the process dies of SIGSEGV, loudly, rather than corrupt it)."""
     program = (
-        "import torch\nfrom bus.shared import Arena, Shelf\n"
+        "import torch\nfrom tensorbus.bus.shared import Arena, Shelf\n"
         "arena = Arena(); (g,) = arena.allocate([(16, torch.float32)])\n"
         "view = Shelf().view(arena.locate(g), 64, torch.float32)\n"
         "print('mapped', flush=True)\nview.add_(1.0)\nprint('wrote', flush=True)\n")
@@ -94,8 +95,8 @@ def test_the_receivers_mapping_is_read_only() -> None:
 @pytest.mark.parametrize(("ref", "why"), [
     (["../../etc/passwd", 0], "not a tensorbus segment name"),
     (["tensorbus-1-zzzzzzzzzzzzzzzz", 0], "not a tensorbus segment name"),
-    (["tensorbus-1-0123456789abcdef", 0], "another host"),
-    ("tensorbus-1-0123456789abcdef", "needs [segment, offset]"),
+    (["tensorbus-1-5-0123456789abcdef", 0], "another host"),
+    ("tensorbus-1-5-0123456789abcdef", "needs [segment, offset]"),
     ([1, 2], "needs [segment, offset]"),
 ])
 def test_a_shelf_refuses_what_is_not_a_segment_of_ours(ref: Any, why: str) -> None:
@@ -126,46 +127,39 @@ def test_closing_an_arena_unlinks_its_files_and_keeps_its_buffers() -> None:
     assert float(grads.sum()) == 128.0
 
 
-def test_a_killed_creators_segment_is_unlinked_by_the_resource_tracker() -> None:
+def test_a_killed_creators_segment_is_unlinked_by_the_next_sweep() -> None:
     program = (
-        "import os, signal, sys, torch\nfrom bus.shared import Arena\n"
+        "import os, signal, sys, torch\nfrom tensorbus.bus.shared import Arena\n"
         "arena = Arena(); (g,) = arena.allocate([(1 << 20, torch.float32)])\n"
         "print(arena.locate(g)[0], flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).resolve().parent.parent, check=False)
+                          timeout=60, check=False)
     assert done.returncode == -signal.SIGKILL
     path = ROOT / done.stdout.strip()
-    assert path.name.startswith("tensorbus-")
-    deadline = time.monotonic() + 20
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    assert path.exists() and not creator_alive(path.name)
+    assert path.name in sweep()
     assert not path.exists()
 
 
-def test_a_segment_outlives_the_hangup_of_its_creators_terminal() -> None:
-    """A launcher killed in a terminal that then closes: its process group gets SIGHUP,
-    the resource tracker in it too, and the tracker must live to unlink the file."""
-    program = ("import sys, time\nfrom bus.shared import Probe\n"
-               "probe = Probe()\nprint(probe.offer.split()[0], flush=True)\ntime.sleep(60)\n")
-    child = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+def test_a_sweep_spares_live_creators_and_knows_a_reused_pid() -> None:
+    """A live process's segment stays; one named with a live pid but another start time
+    (its creator is gone, and the pid was taken since) goes."""
+    arena = Arena()
     try:
-        assert child.stdout is not None
-        path = ROOT / child.stdout.readline().strip()
-        assert path.exists()
-        child.kill()
-        child.wait(timeout=30)
-        os.killpg(child.pid, signal.SIGHUP)  # what is left of its group: the tracker
+        (mine,) = arena.allocate([(16, torch.float32)])
+        name = str(arena.locate(mine)[0])
+        pid, start, random = name.removeprefix("tensorbus-").split("-")
+        reused = ROOT / f"tensorbus-{pid}-{int(start) + 1}-{random}"
+        reused.write_bytes(b"x")
+        try:
+            assert creator_alive(name) and not creator_alive(reused.name)
+            gone = sweep()
+            assert reused.name in gone and name not in gone
+            assert (ROOT / name).exists() and not reused.exists()
+        finally:
+            reused.unlink(missing_ok=True)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
-    deadline = time.monotonic() + 20
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not path.exists()
+        arena.close()
 
 
 def test_a_probe_is_seen_only_with_its_token_and_while_it_lives() -> None:
@@ -521,7 +515,7 @@ def test_only_the_float_tensors_of_a_push_or_of_weights_come_by_reference() -> N
 
 
 def test_a_fifo_named_as_a_segment_does_not_hang_the_reader() -> None:
-    name = f"tensorbus-{os.getpid()}-{'f' * 16}"
+    name = f"tensorbus-{os.getpid()}-1-{'f' * 16}"
     os.mkfifo(ROOT / name)
     try:
         started = time.monotonic()
@@ -574,7 +568,7 @@ def test_a_coordinator_that_cannot_read_the_workers_probe_gets_bytes(
     class Blind(Probe):
         seen = staticmethod(lambda offer: False)
 
-    monkeypatch.setattr("nodes.coordinator.Probe", Blind)
+    monkeypatch.setattr("tensorbus.nodes.coordinator.Probe", Blind)
     _, summary = _train(Sync(workers=2), shared=True)
     assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
 
