@@ -51,7 +51,8 @@ its bytes after they were checked: on one host as one user, it could as well wri
 Lifetime: the creator of a segment unlinks its file when it closes the arena, or at exit.
 A creator killed (SIGKILL, a crash, a whole cluster at once) cannot: its files are found
 and unlinked by the next tensorbus process of this user that `sweep`s, as every node does
-when it starts, a coordinator when a worker is lost and a launcher when a child ends. A
+when it starts, a coordinator when a worker is lost, a worker when it ends and a launcher
+when a child fails. A
 segment's name holds its creator's pid and start time, so that a creator that is gone is
 told from a process that took its pid since. A mapping stays valid after the unlink for as
 long as tensors over it live. A receiver keeps the segments it used last mapped, a few per

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -149,6 +150,9 @@ class Worker:
         self.redone = 0
         self._again: tuple[torch.Tensor, torch.Tensor] | None = None  # the batch to redo
         self._running: asyncio.Task[Any] | None = None  # the task in run(), for request_stop
+        # Steps are computed on one thread of their own, a run's (torch keeps per-thread
+        # state, such as grad mode, and one step runs at a time).
+        self._compute_thread = concurrent.futures.ThreadPoolExecutor(1)
         self.stopped_by: str | None = None  # why request_stop ended the run, once it did
 
     @property
@@ -166,6 +170,8 @@ class Worker:
 
     async def run(self) -> WorkerReport:
         self._running = asyncio.current_task()
+        self._compute_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"tensorbus-compute-{self.rank}")
         for link in self.links:
             link.open()
         try:
@@ -180,7 +186,7 @@ class Worker:
             for link in self.links:
                 if link.failure is not None:
                     raise RunFailedError(f"the {link.peer} ended the run with an error: "
-                                         f"{link.failure}")
+                                         f"{link.failure}") from None
         except asyncio.CancelledError:
             await self._leave("interrupted", self.stopped_by or "")
             raise
@@ -188,6 +194,7 @@ class Worker:
             await self._leave("error", str(e))
             raise
         finally:
+            self._compute_thread.shutdown(wait=False, cancel_futures=True)
             self._off_set()
             for link in self.links:
                 await link.close()
@@ -195,6 +202,8 @@ class Worker:
             for shared in (self._arena, self._probe):
                 if shared is not None:
                     shared.close()
+            if self._probe is not None:
+                sweep()  # a coordinator killed (which we may have outlived) left its own
         return WorkerReport(self.rank, self.clock, self._last_loss, self.version, self.rejoins,
                             by_reference=sum(link.by_reference for link in self.links),
                             torn=sum(link.torn for link in self.links), redone=self.redone)
@@ -241,6 +250,12 @@ class Worker:
                 task.cancel()
             await asyncio.gather(train, *helpers, return_exceptions=True)
 
+    def _off_loop(self, work: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
+        """`work(*args)` on the compute thread, so that heartbeats go on meanwhile. (Not the
+        loop's default executor: closing the loop waits for its threads, with no deadline.)"""
+        return asyncio.get_running_loop().run_in_executor(
+            self._compute_thread, contextvars.copy_context().run, work, *args)
+
     def end_session(self, why: Exception) -> None:
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(why)
@@ -281,11 +296,11 @@ class Worker:
             # fresh process, a rejoin on another shard, or a coordinator restarted from a
             # checkpoint (whose records are behind us: the data rewinds with the weights).
             self._enter(Phase.LOADING)
-            shards = await asyncio.to_thread(self._load, welcome)
+            shards = await self._off_loop(self._load, welcome)
             self._batches = _Epochs(shards, self._describe_data(welcome),
                                     anew=_on_loop(asyncio.get_running_loop()))
             self._again = None
-            await asyncio.to_thread(self._batches.skip, welcome.position)
+            await self._off_loop(self._batches.skip, welcome.position)
             self._shard = shard
         weights_pushed = PushKind(welcome.push) is PushKind.WEIGHTS
         # A worker that steps its own weights may not compute on the shard's sets.
@@ -294,7 +309,8 @@ class Worker:
             make = self._make_optimizer or (lambda ps: torch.optim.SGD(ps, lr=welcome.lr))
             # In a thread: a first optimizer may import for seconds (torch._dynamo), and the
             # loop must keep beating meanwhile.
-            self._optimizer = await asyncio.to_thread(make_optimizer, make, self._model.parameters())
+            self._optimizer = await self._off_loop(make_optimizer, make,
+                                                   self._model.parameters())
         # Async holds nobody back: the next gradient is computed, into the other set of
         # buffers, while this one is on the wire (its answers are taken meanwhile).
         pipelined = wait is Wait.NOTHING and not weights_pushed
@@ -309,7 +325,8 @@ class Worker:
         # set, which the Outbox makes there (the sets stay private); top-k's indices are
         # integers, which go as bytes.
         compression = Compression.parse(welcome.compress)
-        refer = (await asyncio.to_thread(self._shared_grads, dense=compression.dtype is None)
+        refer = (await self._off_loop(functools.partial(
+            self._shared_grads, dense=compression.dtype is None))
                  if not weights_pushed and compression.topk is None
                  and any(link.shared for link in self.links) else None)
         # Answered when the coordinators' start gates open: everyone starts together.
@@ -361,12 +378,12 @@ class Worker:
             loop = asyncio.get_running_loop()
             ready = [loop.create_future() for _ in self.links]
             clock = self.clock  # what this push counts (the clock moves on once it is sent)
-            compute, ended = _in_thread(loop, functools.partial(
+            compute, ended = _in_thread(loop, self._compute_thread, functools.partial(
                 self._compute, latest, welcome.local_steps, current,
                 functools.partial(_announce, loop, ready) if early else None,
                 functools.partial(loop.call_soon_threadsafe, self._forget_loaded)))
             del latest  # the compute thread lets go of the frames once they are loaded
-            async with _finishing(ended):
+            async with _finishing(ended, lambda: self.stopped_by is not None):
                 if previous is not None:
                     # The last push's answers, taken while this gradient is computed.
                     answers = await previous.answers
@@ -840,33 +857,39 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _in_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], _T]
-               ) -> tuple[asyncio.Future[_T], asyncio.Future[None]]:
-    """Run `work` in a thread: its result, and a future done when the thread has ended,
-    which cancelling the first does not change (a running thread cannot be cancelled)."""
+def _in_thread(loop: asyncio.AbstractEventLoop, thread: concurrent.futures.Executor,
+               work: Callable[[], _T]) -> tuple[asyncio.Future[_T], asyncio.Future[None]]:
+    """Run `work` on `thread`: its result, and a future done once `work` can no longer touch
+    anything, which cancelling the first does not change (a running thread cannot be
+    cancelled). Both come from the executor's own future, which is done when `work`
+    returns or raises, and also when it is cancelled before it began: a future resolved
+    from inside `work` would never be, had `work` never run."""
     ended = loop.create_future()
+    job = thread.submit(contextvars.copy_context().run, work)
 
-    def run() -> _T:
-        try:
-            return work()
-        finally:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(_resolve, ended)
+    def over(_: concurrent.futures.Future[_T]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(_resolve, ended)
 
-    return asyncio.ensure_future(asyncio.to_thread(run)), ended
+    job.add_done_callback(over)
+    return asyncio.wrap_future(job, loop=loop), ended
 
 
 @contextlib.asynccontextmanager
-async def _finishing(ended: asyncio.Future[None]) -> AsyncIterator[None]:
+async def _finishing(ended: asyncio.Future[None], leaving: Callable[[], bool]
+                     ) -> AsyncIterator[None]:
     """Run the body beside the compute thread; if the body fails, wait for the thread to
     end before going on: until then it writes the model, the gradients and the outbox,
-    which whatever comes next (loading the final weights, a new session) uses too.
+    which whatever comes next (loading the final weights, a new session) uses too. A
+    worker `leaving` for good (a signal) uses none of them again, and does not wait.
 
     The wait has no deadline, as the step itself has none (a thread cannot be stopped,
     and a step may rightly be long); a wait past FINISHING_SAY_S says why in the log."""
     try:
         yield
     except BaseException as e:
+        if leaving():
+            raise
         done, _ = await asyncio.wait({ended}, timeout=FINISHING_SAY_S)
         if not done:
             log.warning("training stopped (%s); waiting for the step being computed to end "

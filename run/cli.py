@@ -178,7 +178,7 @@ def _worker(args: argparse.Namespace) -> int:
                     optimizer=spec.optimizer)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            report = runner.run(stopping_on_signals(worker, worker.run(), signals=(signal.SIGTERM,)))
+            report = runner.run(stopping_on_signals(worker, worker.run()))
     except asyncio.CancelledError:
         if worker.stopped_by is None:
             raise

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tensorbus.bus.shared import sweep
 from tensorbus.bus.transport import new_event_loop
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.run.children import Forked, Forks, can_fork, die_with_parent
@@ -165,6 +166,8 @@ async def _launch(
         for relay in relays:
             relay.cancel()
         await asyncio.gather(*relays, return_exceptions=True)
+        if any(p.returncode != 0 for p in workers):
+            sweep()  # what workers killed here or before had in shared memory
 
 
 async def _spawn(argv: list[str]) -> asyncio.subprocess.Process:
@@ -201,6 +204,8 @@ async def _relay(
         if not failure.done():
             print(f"[worker {rank}] {line}", file=sys.stderr, flush=True)
     code = await process.wait()
+    if code != 0:
+        sweep()  # what it had in shared memory, if it could not unlink it itself
     if code < 0:
         name = signal.Signals(-code).name
         why = f"was killed by {name}: removed; going on without it"

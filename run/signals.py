@@ -4,9 +4,9 @@ The first signal asks the coordinator to finish the update in flight, checkpoint
 workers and return its summary (the process then exits 0). A second signal is not caught:
 it interrupts at once, for a user who will not wait.
 
-SIGTERM on a worker: it leaves the run (its coordinator is told why and goes on without it),
-lets go of its shared memory, then dies of the signal (`die_of`), so that whoever started it
-sees what a kill shows. (Ctrl-C ends a worker gracefully already: asyncio cancels its run.)
+SIGTERM or Ctrl-C on a worker: it leaves the run at once (its coordinator is told why and
+goes on without it; a step being computed is not waited for), lets go of its shared memory,
+then dies of the signal (`die_of`), so that whoever started it sees what a kill shows.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ thread is done, even if the task that awaited it was cancelled.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -20,7 +21,19 @@ from tensorbus.nodes.worker import _finishing, _in_thread
 pytestmark = pytest.mark.timeout(10)
 
 
-def test_a_failure_beside_the_compute_waits_for_the_thread_to_end() -> None:
+def _staying() -> bool:
+    return False
+
+
+@pytest.fixture
+def thread() -> concurrent.futures.ThreadPoolExecutor:
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    yield executor
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+def test_a_failure_beside_the_compute_waits_for_the_thread_to_end(
+        thread: concurrent.futures.ThreadPoolExecutor) -> None:
     ended = threading.Event()
 
     def backward() -> int:
@@ -29,8 +42,8 @@ def test_a_failure_beside_the_compute_waits_for_the_thread_to_end() -> None:
         return 1
 
     async def train() -> None:
-        compute, done = _in_thread(asyncio.get_running_loop(), backward)
-        async with _finishing(done):
+        compute, done = _in_thread(asyncio.get_running_loop(), thread, backward)
+        async with _finishing(done, _staying):
             await asyncio.sleep(0.01)
             compute.cancel()  # as a cancelled worker task would cancel what it awaits
             raise RuntimeError("coordinator lost")
@@ -40,10 +53,11 @@ def test_a_failure_beside_the_compute_waits_for_the_thread_to_end() -> None:
     assert ended.is_set()
 
 
-def test_the_result_comes_back_when_nothing_fails() -> None:
+def test_the_result_comes_back_when_nothing_fails(
+        thread: concurrent.futures.ThreadPoolExecutor) -> None:
     async def train() -> int:
-        compute, done = _in_thread(asyncio.get_running_loop(), lambda: 7)
-        async with _finishing(done):
+        compute, done = _in_thread(asyncio.get_running_loop(), thread, lambda: 7)
+        async with _finishing(done, _staying):
             value = await compute
         assert done.done()
         return value
@@ -52,15 +66,64 @@ def test_the_result_comes_back_when_nothing_fails() -> None:
 
 
 def test_a_long_wait_for_the_thread_says_why(monkeypatch: pytest.MonkeyPatch,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+                                             caplog: pytest.LogCaptureFixture,
+                                             thread: concurrent.futures.ThreadPoolExecutor) -> None:
     monkeypatch.setattr("tensorbus.nodes.worker.FINISHING_SAY_S", 0.05)
 
     async def train() -> None:
-        _compute, done = _in_thread(asyncio.get_running_loop(), lambda: time.sleep(0.4))
-        async with _finishing(done):
+        _compute, done = _in_thread(asyncio.get_running_loop(), thread,
+                                    lambda: time.sleep(0.4))
+        async with _finishing(done, _staying):
             raise RuntimeError("coordinator lost")
 
     with caplog.at_level("WARNING", logger="tensorbus.worker"), \
             pytest.raises(RuntimeError, match="coordinator lost"):
         asyncio.run(train())
     assert "training stopped (coordinator lost); waiting for the step being computed" in caplog.text
+
+
+def test_a_compute_cancelled_before_it_began_is_over_at_once(
+        thread: concurrent.futures.ThreadPoolExecutor) -> None:
+    """The hang of a worker on SIGTERM: its step was cancelled before the thread took it,
+    and the wait for the thread's end waited for ever."""
+    release = threading.Event()
+    ran = threading.Event()
+
+    async def train() -> float:
+        loop = asyncio.get_running_loop()
+        busy, _ = _in_thread(loop, thread, lambda: release.wait(5))  # the one thread, taken
+        compute, done = _in_thread(loop, thread, ran.set)
+        started = time.monotonic()
+        try:
+            async with _finishing(done, _staying):
+                compute.cancel()
+                raise RuntimeError("stopped")
+        except RuntimeError:
+            pass
+        waited = time.monotonic() - started
+        release.set()
+        await busy
+        return waited
+
+    assert asyncio.run(train()) < 0.5
+    assert not ran.is_set()
+
+
+def test_a_worker_leaving_for_good_does_not_wait_for_its_step(
+        thread: concurrent.futures.ThreadPoolExecutor) -> None:
+    release = threading.Event()
+
+    async def train() -> float:
+        _compute, done = _in_thread(asyncio.get_running_loop(), thread,
+                                    lambda: release.wait(5))
+        started = time.monotonic()
+        try:
+            async with _finishing(done, lambda: True):
+                raise asyncio.CancelledError
+        except asyncio.CancelledError:
+            pass
+        waited = time.monotonic() - started
+        release.set()
+        return waited
+
+    assert asyncio.run(train()) < 0.5
