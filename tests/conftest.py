@@ -6,7 +6,6 @@ Only segments of processes that are gone count, and only those made during the s
 a training run of the user's beside the suite (its creators alive) is not the suite's."""
 
 import gc
-import os
 import time
 from pathlib import Path
 
