@@ -194,11 +194,15 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _served(args: argparse.Namespace) -> tuple[str, int]:
-    """The coordinator's --bind and --workers, else the environment's (see run.cluster)."""
+    """The coordinator's --bind and --workers, else the environment's (see run.cluster).
+
+    With no --bind, it listens on every interface only with --keys, which let in only the
+    workers whose keys it holds; without, on loopback alone: other machines need --bind
+    with --keys (or --insecure)."""
     if args.bind is not None and args.port is not None:
-        raise ValueError("give --bind tcp://HOST:PORT or --port PORT (which binds "
-                         "tcp://0.0.0.0:PORT), not both")
-    bind = args.bind or f"tcp://0.0.0.0:{cluster.coordinator_port(os.environ, args.port)}"
+        raise ValueError("give --bind tcp://HOST:PORT or --port PORT, not both")
+    host = "0.0.0.0" if args.keys is not None else "127.0.0.1"
+    bind = args.bind or f"tcp://{host}:{cluster.coordinator_port(os.environ, args.port)}"
     return bind, cluster.workers(os.environ, args.workers)
 
 
@@ -409,9 +413,10 @@ def _parser() -> argparse.ArgumentParser:
     common(coordinator)
     training(coordinator, workers_from_env=True)
     coordinator.add_argument("--bind", help="tcp://HOST:PORT for requests (default: "
-                                            "tcp://0.0.0.0:PORT, PORT as --port says)")
+                                            "tcp://0.0.0.0:PORT with --keys, else "
+                                            "tcp://127.0.0.1:PORT, PORT as --port says)")
     coordinator.add_argument("--port", type=int,
-                             help="with no --bind, bind tcp://0.0.0.0:PORT (default: "
+                             help="with no --bind, the port to bind (default: "
                                   f"MASTER_PORT, else {cluster.DEFAULT_PORT})")
     coordinator.add_argument("--pub-port", type=int, help="broadcast port (default PORT+1)")
     coordinator.add_argument("--insecure", action="store_true",

@@ -10,6 +10,7 @@ ranks the coordinator saw and each worker reported.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -248,15 +249,14 @@ def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
      ("tensorbus: error: the coordinator needs --workers N (or WORLD_SIZE=N in its "
       "environment): how many workers to train with")),
     (["coordinator", "s.py", "--bind", "tcp://127.0.0.1:1", "--port", "2"], {"WORLD_SIZE": "2"},
-     ("tensorbus: error: give --bind tcp://HOST:PORT or --port PORT (which binds "
-      "tcp://0.0.0.0:PORT), not both")),
-    # The default bind is public, so keys (or --insecure) are needed, as for any such bind.
-    (["coordinator", "s.py", "--port", "6000"], {"WORLD_SIZE": "2"},
+     "tensorbus: error: give --bind tcp://HOST:PORT or --port PORT, not both"),
+    # A public bind needs keys (or --insecure).
+    (["coordinator", "s.py", "--bind", "tcp://0.0.0.0:6000"], {"WORLD_SIZE": "2"},
      ("tensorbus: error: --bind tcp://0.0.0.0:6000 is not a loopback address and no --keys "
       "were given: anyone who can reach it could join and read the weights; make keys with "
       "`tensorbus keys DIR` and pass --keys DIR, or pass --insecure to accept that")),
 ], ids=["no-address", "bad-slurm", "port-and-connect", "rank-and-per-node",
-        "node-rank-alone", "no-workers", "bind-and-port", "default-bind-needs-keys"])
+        "node-rank-alone", "no-workers", "bind-and-port", "public-bind-needs-keys"])
 def test_command_line_errors(argv: list[str], environ: dict[str, str], line: str,
                              no_launcher: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture[str]) -> None:
@@ -392,3 +392,10 @@ def test_a_node_whose_workers_fail_fails(tmp_path: Path) -> None:
                                 f"tcp://127.0.0.1:{port} did not answer join within 1.0 s")
     assert lines[-1].endswith("(2 of this node's 2 workers failed)")
     assert not any(line.startswith("error:") for line in lines[:-1])
+
+
+@pytest.mark.parametrize(("keys", "host"), [(None, "127.0.0.1"), (Path("k"), "0.0.0.0")])
+def test_the_default_bind_is_public_only_with_keys(keys: Path | None, host: str) -> None:
+    """`tensorbus coordinator SPEC --workers 2` works as written: loopback, without keys."""
+    args = argparse.Namespace(bind=None, port=6000, keys=keys, workers=2)
+    assert cli._served(args) == (f"tcp://{host}:6000", 2)
