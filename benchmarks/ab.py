@@ -1,6 +1,7 @@
 """This checkout against another commit, side by side: did a change make training faster?
 
-Checks REV out into a temporary git worktree and runs the same cases from both trees,
+Checks REV out into a temporary git worktree and runs the same cases from both trees (each
+tree's own `tensorbus` command and benchmarks/mlp.py, old layout or new: benchmarks.checkout),
 alternating within each round (old then new, then new then old in the next round), so
 that the machine's noise falls on both alike; each case's ratio is taken within a round.
 The cases, on `benchmarks/mlp.py`, 2 workers, one torch thread a process:
@@ -17,35 +18,26 @@ The cases, on `benchmarks/mlp.py`, 2 workers, one torch thread a process:
   batch 64, 1M) to its exit, with one coordinator and with `--colocate`: what a user waits
   for when the training itself is short.
 
-    python benchmarks/ab.py REV [--rounds 3]      # about 90 s a round
-    python benchmarks/ab.py REV --rounds 8 --only "sync colocated, 10M"   # 40 s a round
-    python benchmarks/ab.py REV --rounds 4 --only ssp     # 70 s a round
-    python benchmarks/ab.py REV --rounds 3 --only bf16    # 90 s a round
-    python benchmarks/ab.py REV --rounds 5 --only start   # 30 s a round
+    python -m benchmarks ab REV [--rounds 3]      # about 90 s a round
+    python -m benchmarks ab REV --rounds 8 --only "sync colocated, 10M"   # 40 s a round
+    python -m benchmarks ab REV --rounds 4 --only ssp     # 70 s a round
+    python -m benchmarks ab REV --rounds 3 --only bf16    # 90 s a round
+    python -m benchmarks ab REV --rounds 5 --only start   # 30 s a round
 
-Writes benchmarks/results/ab-REV.md and .json (with --only, ab-REV-CASE.md and .json).
+Writes benchmarks/results/ab.md and ab.json (the last comparison made; REV is in them).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import subprocess
-import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from benchmarks import steps
-
-RESULTS = ROOT / "benchmarks" / "results"
-GIT_S = 120  # a local git command; past this, something is wrong (a lock held, say)
-
+from benchmarks.report import GIT_S, RESULTS, ROOT, Meta, write_json, write_markdown
 
 CASES: dict[str, tuple[Callable[[Path], float], str]] = {
     "async, 1M, batch 1": (lambda tree: steps.tensorbus_async("1M", 3000, tree=tree), "updates/s"),
@@ -78,24 +70,28 @@ CASES: dict[str, tuple[Callable[[Path], float], str]] = {
 OPT_IN = ("ssp", "bf16", "start")  # cases run only when --only names them
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks ab",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("rev", help="the commit to compare with (the old side)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default="", help="only the cases whose name starts so "
-                        "('sync colocated, 10M', 'async', ...); the file is then named after it")
+                        f"('sync colocated, 10M', 'async', ...); {', '.join(OPT_IN)}: only when named")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cases = {c: m for c, m in CASES.items() if c.startswith(args.only)
              and (args.only or not c.startswith(OPT_IN))}
     if not cases:
         parser.error(f"--only {args.only!r} names none of: {', '.join(CASES)}")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                          capture_output=True, text=True, timeout=GIT_S).stdout.strip()
+    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.rev}^{{commit}}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=GIT_S, check=False)
+    if found.returncode != 0:
+        parser.error(f"{args.rev!r} names no commit of this repository")
+    old_commit = found.stdout.strip()
     figures: dict[str, dict[str, list[float]]] = {c: {"old": [], "new": []} for c in cases}
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old), args.rev], cwd=ROOT,
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(old), old_commit], cwd=ROOT,
                        check=True, timeout=GIT_S)
         try:
             for r in range(args.rounds):
@@ -109,9 +105,8 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT,
                            check=False, timeout=GIT_S)
-    only = f' --only "{args.only}"' if args.only else ""
-    lines = [(f"`python benchmarks/ab.py {args.rev} --rounds {args.rounds}{only}` (new: this "
-              f"checkout, {head} and what is not committed; old: {args.rev})"), "",
+    lines = [(f"new: this checkout (the commit above); old: {args.rev}, commit {old_commit}; "
+              f"{args.rounds} rounds, the order of the two alternating"), "",
              "| case | old, median | new, median | new / old: median (min–max) | each round | unit |",
              "|---|---:|---:|---|---|---|"]
     for case, (_, unit) in cases.items():
@@ -120,14 +115,7 @@ def main() -> None:
         lines.append(f"| {case} | {statistics.median(o):.2f} | {statistics.median(n):.2f} "
                      f"| {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) "
                      f"| {', '.join(f'{r:.3f}' for r in ratios)} | {unit} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", args.only).strip("-")
-    name = f"ab-{args.rev}" + (f"-{slug}" if slug else "")
-    (args.out / f"{name}.json").write_text(json.dumps({"new": head, "old": args.rev,
-                                                       "figures": figures}, indent=1) + "\n")
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    write_json(args.out / "ab.json", {"old": old_commit, "rev": args.rev, "only": args.only,
+                                      "figures": figures}, meta)
+    write_markdown(args.out / "ab.md", "\n".join(lines), meta)
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

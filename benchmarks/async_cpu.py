@@ -18,7 +18,7 @@ grouped as `benchmarks/cpu_split.py` groups them), and how many versions it broa
 version made (the metrics summary's `broadcasts`); and the step of one process alone,
 batch 1: the least a worker spends per update. About 8 minutes:
 
-    python benchmarks/async_cpu.py [--updates 2000] [--rounds 3]
+    python -m benchmarks async_cpu [--updates 2000] [--rounds 3] [--seconds 8]
 
 Writes benchmarks/results/async_cpu.md and .json.
 """
@@ -30,19 +30,14 @@ import json
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from benchmarks import steps
-from benchmarks.cpu_split import last_version, launch_warm, stop, thread_cpu
-
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.cpu_split import last_version, running, thread_cpu
+from benchmarks.report import RESULTS, Meta, write_json, write_markdown
 
 
 def contenders() -> dict[str, Callable[[int], float]]:
@@ -77,10 +72,9 @@ def split(seconds: float = 8.0) -> tuple[dict[str, float], float]:
     window after warm-up, and the broadcasts per version of the whole run."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        launcher = launch_warm(["--workers", "2", "--strategy", "async", "--steps", "1000000",
-                                "--threads", "1", "--batch-size", "1", "--lr", "0.01"],
-                               "1M", metrics, 500)
-        try:
+        # Stopped gracefully at the block's end: the summary is written.
+        with running(["--workers", "2", "--strategy", "async", "--steps", "1000000", "--threads",
+                      "1", "--batch-size", "1", "--lr", "0.01"], "1M", metrics, 500) as launcher:
             processes = {"coordinator (the launcher)": launcher.pid,
                          **{f"worker {i}": pid for i, pid in enumerate(_children(launcher.pid))}}
             before = {name: thread_cpu(pid) for name, pid in processes.items()}
@@ -88,8 +82,6 @@ def split(seconds: float = 8.0) -> tuple[dict[str, float], float]:
             time.sleep(seconds)
             after = {name: thread_cpu(pid) for name, pid in processes.items()}
             v1 = last_version(metrics)
-        finally:
-            stop(launcher)  # gracefully: the summary is written
         summary = json.loads(metrics.read_text().splitlines()[-1])
     updates = v1 - v0
     table = {f"{name}: {group}": 1000 * (after[name][group] - before[name].get(group, 0.0)) / updates
@@ -112,12 +104,14 @@ def _children(pid: int) -> list[int]:
     return sorted(found)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks async_cpu",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=8.0, help="the thread split's window")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
     table = contenders()
     figures: dict[str, dict[str, list[float]]] = {n: {"cpu_ms": [], "rate": []} for n in table}
@@ -128,37 +122,35 @@ def main() -> None:
             figures[name]["rate"].append(rate)
             print(f"round {r + 1}/{args.rounds} {name}: {cpu_ms:.2f} CPU ms per update, "
                   f"{rate:.0f} updates/s", flush=True)
-    lines = [(f"`python benchmarks/async_cpu.py --updates {args.updates} --rounds {args.rounds}` "
-              f"(1M model, batch 1, 2 workers, {cores} cores; median (min-max) over the rounds)"), "",
+    lines = [(f"1M model, batch 1, 2 workers, {cores} cores, {args.updates} and {2 * args.updates} "
+              f"updates, {args.rounds} rounds; median (min-max) over the rounds"), "",
              ("| contender | CPU ms per update, all processes | updates/s the cores allow "
-              "| updates/s measured | measured / allowed |"), "|---|---:|---:|---:|---:|"]
+              "| updates/s measured | measured / allowed | measured ÷ naive PS's, same round |"),
+             "|---|---:|---:|---:|---:|---:|"]
+    naive = figures["naive PS"]["rate"]
     for name, f in figures.items():
         costs, rates = f["cpu_ms"], f["rate"]
         allowed = [1000 * cores / c for c in costs]
         used = [r / a for r, a in zip(rates, allowed, strict=True)]
+        versus = [r / n for r, n in zip(rates, naive, strict=True)]
         lines.append(f"| {name} | {spread(costs, '.2f')} | {spread(allowed, '.0f')} "
-                     f"| {spread(rates, '.0f')} | {spread(used, '.2f')} |")
-    threads, broadcasts = split()
+                     f"| {spread(rates, '.0f')} | {spread(used, '.2f')} | {spread(versus, '.2f')} |")
+    threads, broadcasts = split(args.seconds)
     alone = 1000 * steps.single("1M", 2000, batch=1)
     lines += ["", ("Tensorbus async, one run, CPU per version made (all of the coordinator's and "
-                   "the workers' updates) over 8 s:"), "",
+                   f"the workers' updates) over {args.seconds:g} s:"), "",
               "| process: threads | CPU ms per update |", "|---|---:|"]
     lines += [f"| {name} | {ms:.2f} |" for name, ms in threads.items()]
     lines += [f"| all | {sum(threads.values()):.2f} |", "",
               f"Broadcasts per version made, whole run: {broadcasts:.2f}.", "",
               f"One process alone, batch 1 (forward, backward, SGD step): {alone:.2f} ms a step."]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "async_cpu.json").write_text(json.dumps(
-        {"cores": cores, "updates": args.updates, "figures": figures, "threads": threads,
-         "broadcasts_per_version": broadcasts, "single_batch1_ms": alone}, indent=1) + "\n")
-    (args.out / "async_cpu.md").write_text("\n".join(lines) + "\n")
+    write_json(args.out / "async_cpu.json",
+               {"cores": cores, "updates": args.updates, "figures": figures, "threads": threads,
+                "broadcasts_per_version": broadcasts, "single_batch1_ms": alone}, meta)
+    write_markdown(args.out / "async_cpu.md", "\n".join(lines), meta)
     print("\n".join(lines))
 
 
 def spread(values: list[float], form: str) -> str:
     """Median (min-max)."""
     return f"{statistics.median(values):{form}} ({min(values):{form}}-{max(values):{form}})"
-
-
-if __name__ == "__main__":
-    main()

@@ -32,7 +32,7 @@ quarters of its updates (as benchmarks/steps.py takes it), and the CPU one updat
 all processes together, is differenced over the two runs, so that start-up cancels out
 (benchmarks/async_cpu.py's `measure`); that CPU bounds the rate at cores / CPU per update:
 
-    python benchmarks/async_floor.py [--updates 3000] [--rounds 3]     # about 12 minutes
+    python -m benchmarks async_floor [--updates 3000] [--rounds 3]     # about 12 minutes
 
 Writes benchmarks/results/async_floor.md and .json.
 """
@@ -40,31 +40,28 @@ Writes benchmarks/results/async_floor.md and .json.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import struct
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from queue import Empty
 from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch
 import zmq
 
 from benchmarks import mlp, steps
 from benchmarks.async_cpu import measure, spread
+from benchmarks.report import RESULTS, Meta, write_json, write_markdown
 from benchmarks.throughput import free_port
 
-RESULTS = ROOT / "benchmarks" / "results"
 # Weight sets: a version is overwritten RING versions after it was made. 16 (64 MB) was
-# the faster of the two tried, in place: 3.61x the naive rate against 3.10x with 4, where
-# steps write sets that the workers compute on (results/async_floor-ring4.md).
+# the faster in place of the two sizes tried (4 and 16): with 4, steps write sets that the
+# workers still compute on.
 RING = 16
 LR = 0.01
 WAIT_MS = 60_000  # the longest a node waits for a message before it fails
@@ -205,8 +202,8 @@ def _worker(port: int, folder: str, rank: int, pipelined: bool, in_place: bool) 
             if version == 0:
                 break
     if torn:
-        print(f"worker {rank}: {torn} {'computes on a set overwritten meanwhile' if in_place else 'copies torn, taken again'}",
-              file=sys.stderr)
+        what = "computes on a set overwritten meanwhile" if in_place else "copies torn, taken again"
+        print(f"worker {rank}: {torn} {what}", file=sys.stderr)
     context.destroy(linger=0)
 
 
@@ -255,11 +252,13 @@ def _get(queue: Any, processes: list[Any], timeout_s: float) -> Any:
     raise RuntimeError(f"the bare server gave nothing in {timeout_s:.0f} s")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks async_floor",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
     os.environ["BENCH_PARAMS"] = "1M"
     contenders = {
         "naive PS": lambda u: steps.naive_ps("1M", u // 2),
@@ -277,9 +276,9 @@ def main() -> None:
                   flush=True)
     naive = [rate for _, rate in figures["naive PS"]]
 
-    lines = [(f"`python benchmarks/async_floor.py --updates {args.updates} --rounds {args.rounds}` "
-              f"(1M model, batch 1, 2 workers, {len(os.sched_getaffinity(0))} cores; median (min-max) over the rounds; "
-              "each ratio taken within its round)"), "",
+    lines = [(f"1M model, batch 1, 2 workers, {len(os.sched_getaffinity(0))} cores, {args.updates} and "
+              f"{2 * args.updates} updates, {args.rounds} rounds; median (min-max) over the rounds; "
+              "each ratio taken within its round"), "",
              "| contender | updates/s | ÷ naive PS | CPU ms per update, all processes |",
              "|---|---:|---:|---:|"]
     for name, got in figures.items():
@@ -287,12 +286,7 @@ def main() -> None:
         ratios = [rate / n for rate, n in zip(rates, naive, strict=True)]
         lines.append(f"| {name} | {spread(rates, '.0f')} | {spread(ratios, '.2f')} | "
                      f"{spread([c for c, _ in got], '.2f')} |")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "async_floor.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "async_floor.json").write_text(json.dumps(
-        {"args": vars(args), "figures": figures}, indent=1) + "\n")
+    write_markdown(args.out / "async_floor.md", "\n".join(lines), meta)
+    write_json(args.out / "async_floor.json",
+               {"args": {"updates": args.updates, "rounds": args.rounds}, "figures": figures}, meta)
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

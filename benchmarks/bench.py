@@ -1,7 +1,8 @@
 """The speed benchmark: tensorbus against its baselines, side by side, in one run.
 
-    python benchmarks/bench.py            # 3 rounds, 10 to 13 minutes on 2 cores
-    python benchmarks/bench.py --rounds 1 --quick
+    python -m benchmarks bench                      # 3 rounds, 10 to 13 minutes on 2 cores
+    python -m benchmarks bench --rounds 1 --quick   # a smoke test
+    python -m benchmarks bench --only b/10M         # the cases whose name starts so
 
 Every round runs every case once, in the same order, so that a noisy neighbour slows all
 of them alike; each case's minimum and median over the rounds are reported, and each ratio
@@ -19,29 +20,22 @@ is taken within a round, then its median over the rounds. The cases:
 (d) scaling: the 1M model's sync step with 1, 2 and 4 workers (colocated from 2 on).
 
 It writes benchmarks/results/bench.json (every figure of every round) and bench.md (the
-tables the README shows).
+tables of docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch
+from typing import Any
 
 from benchmarks import steps, throughput
+from benchmarks.report import RESULTS, Meta, write_json, write_markdown
 
-RESULTS = ROOT / "benchmarks" / "results"
 MB = 1 << 20
 
 
@@ -100,7 +94,8 @@ RATIOS: dict[str, tuple[str, str | tuple[str, ...], str]] = {
     "b/1M: DDP / single": ("b/1M/ddp", "b/1M/single", "what DDP itself costs"),
     "b/10M: DDP / single": ("b/10M/ddp", "b/10M/single", "what DDP itself costs"),
     "a/128MB: tensorbus / zmq best chunked": ("a/128MB/tensorbus", BEST_CHUNKED, ">= 0.8 wanted"),
-    "a/128MB: tensorbus / zmq 1 MiB frames": ("a/128MB/tensorbus", "a/128MB/zmq-chunked", "the bus's frame size"),
+    "a/128MB: tensorbus / zmq 1 MiB frames": ("a/128MB/tensorbus", "a/128MB/zmq-chunked",
+                                              "the bus's frame size"),
     "a/128MB: tensorbus / zmq one frame": ("a/128MB/tensorbus", ONE_FRAME, ">= 2.5 wanted"),
     "a/128MB: zmq 1 MiB frames, kept / not": ("a/128MB/zmq-chunked-kept", "a/128MB/zmq-chunked",
                                               "what keeping freed memory is worth"),
@@ -116,14 +111,18 @@ RATIOS: dict[str, tuple[str, str | tuple[str, ...], str]] = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks bench",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="shorter runs (a smoke test)")
     parser.add_argument("--only", default="", help="run only cases whose name starts so (a, b/10M, ...)")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     table = {k: f for k, f in cases(args.quick).items() if k.startswith(args.only)}
+    if not table:
+        parser.error(f"--only {args.only!r} names no case: their names start a/, b/, c/ or d/ "
+                     "(a/128MB/tensorbus, b/10M/ddp, ...)")
     rounds: list[dict[str, float]] = []
     started = time.monotonic()
     for r in range(args.rounds):
@@ -132,14 +131,15 @@ def main() -> None:
             figures[name] = measure()
             print(f"round {r + 1}/{args.rounds} {name}: {figures[name]:.4g}", flush=True)
         rounds.append(figures)
-    report = summarize(rounds, time.monotonic() - started, args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "bench.md").write_text(markdown(report))
+    report = summarize(rounds, time.monotonic() - started)
+    write_json(args.out / "bench.json", report, meta)
+    write_markdown(args.out / "bench.md", markdown(report), meta)
     print(markdown(report))
 
 
-def summarize(rounds: list[dict[str, float]], seconds: float, args: argparse.Namespace) -> dict:
+def summarize(rounds: list[dict[str, float]], seconds: float) -> dict[str, Any]:
+    """Each case's minimum, median and maximum over the rounds, and each ratio's, taken
+    within each round that has its numerator and all its denominators."""
     per_case: dict[str, list[float]] = defaultdict(list)
     for figures in rounds:
         for name, value in figures.items():
@@ -153,10 +153,6 @@ def summarize(rounds: list[dict[str, float]], seconds: float, args: argparse.Nam
             ratios[label] = {"median": statistics.median(values), "min": min(values),
                              "max": max(values), "note": note}
     return {
-        "command": "python benchmarks/bench.py" + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
-                   + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else ""),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} cores seen by torch, "
-                   f"Python {platform.python_version()}, torch {torch.__version__}",
         "seconds": round(seconds, 1),
         "rounds": rounds,
         "cases": {k: {"min": min(v), "median": statistics.median(v), "max": max(v)}
@@ -165,10 +161,10 @@ def summarize(rounds: list[dict[str, float]], seconds: float, args: argparse.Nam
     }
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict[str, Any]) -> str:
     cases_ = report["cases"]
-    lines = [(f"`{report['command']}` ({report['machine']}; {len(report['rounds'])} rounds, "
-             f"{report['seconds']:.0f} s)"), ""]
+    lines = [f"{len(report['rounds'])} rounds, {report['seconds']:.0f} s; each ratio taken within a round.",
+             ""]
 
     def unit(name: str) -> tuple[str, float]:
         if name.startswith("a/"):
@@ -186,7 +182,3 @@ def markdown(report: dict) -> str:
     for label, r in report["ratios"].items():
         lines.append(f"| {label} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} | {r['note']} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    main()

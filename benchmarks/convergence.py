@@ -13,9 +13,10 @@ Writes under benchmarks/results/: convergence.md (the table), convergence.json (
 figure and curve), convergence.png (accuracy against training time, one line per
 model, one panel per condition) and convergence-straggler.png (`tensorbus plot` of the
 runs with the straggler: loss, accuracy, and each worker's split of time, where the
-straggler shows). Takes a few minutes on 2 cores:
+straggler shows). About 3 minutes on 2 cores:
 
-    python benchmarks/convergence.py
+    python -m benchmarks convergence
+    python -m benchmarks convergence --steps 20     # a smoke test: 20 versions a run
 """
 
 from __future__ import annotations
@@ -27,19 +28,17 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-
-from run.local import launch_local
-from run.options import RunOptions
-from run.plot import plot as draw
+from benchmarks.report import RESULTS, ROOT, Meta, stamp_png, write_json, write_markdown
+from tensorbus.run.local import launch_local
+from tensorbus.run.options import RunOptions
+from tensorbus.run.plot import plot as draw
 
 SPEC = ROOT / "examples" / "fashion_mnist.py"
-RESULTS = ROOT / "benchmarks" / "results"
 STRAGGLER = 1
 
 
@@ -65,7 +64,8 @@ def run(model: Model, args: argparse.Namespace, slow_ms: int | None, workdir: Pa
     metrics = workdir / f"{model.strategy}-{model.workers}-{slow_ms}.jsonl"
     faults = (f"slow:{STRAGGLER}:{slow_ms}",) if slow_ms else ()
     options = RunOptions(
-        workers=model.workers, strategy=model.strategy, epochs=args.epochs,
+        workers=model.workers, strategy=model.strategy,
+        **({"steps": args.steps} if args.steps else {"epochs": args.epochs}),
         batch_size=args.batch_size, lr=args.lr, metrics=metrics, strategy_options=model.options,
         faults=faults, eval_every_s=args.eval_every,
     )
@@ -101,10 +101,11 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, slow_ms: int)
         ref = sync["time_to_target_s"]
         return f"{t:.1f} s ({ref / t:.2f}x)" if ref else f"{t:.1f} s"
 
+    length = f"{args.steps} versions" if args.steps else f"{args.epochs} epoch(s) of samples"
     intro = (
-        f"Fashion-MNIST MLP (784-256-128-10), {args.epochs} epoch(s) of samples per run "
+        f"Fashion-MNIST MLP (784-256-128-10), {length} per run "
         f"({results[0]['samples']} samples in the first), batch {args.batch_size} per worker, "
-        f"SGD lr {args.lr}, one torch thread per worker, 2-core machine. Straggler: worker "
+        f"SGD lr {args.lr}, one torch thread per worker. Straggler: worker "
         f"{STRAGGLER} sleeps {slow_ms} ms in every step (twice the calm sync step). Time is "
         "training time (from the start gate); the ratio in brackets is sync's time to target "
         "in the same condition divided by this model's (above 1: faster than sync)."
@@ -126,7 +127,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace, slow_ms: int)
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
+def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,17 +150,21 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
     fig.suptitle("Fashion-MNIST, 4 workers: accuracy against training time")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks convergence",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2, help="samples per run, in epochs")
+    parser.add_argument("--steps", type=int, help="versions per run, in place of --epochs")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--target", type=float, default=0.80, help="target test accuracy")
     parser.add_argument("--eval-every", type=float, default=0.25, help="seconds of training")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results = []
@@ -181,8 +186,9 @@ def main() -> None:
                       file=sys.stderr)
                 results.append(result)
         slowed_runs = [r for r in results if r["straggler_ms"]]
-        draw([Path(r["metrics"]) for r in slowed_runs], args.out / "convergence-straggler.png",
-             labels=[r["label"] for r in slowed_runs])
+        drawn = draw([Path(r["metrics"]) for r in slowed_runs], args.out / "convergence-straggler.png",
+                     labels=[r["label"] for r in slowed_runs])
+        stamp_png(drawn, meta)
     for r in results:
         del r["metrics"]  # gone with the temporary directory
     for r in results:  # the straggler's slow-down, measured
@@ -190,14 +196,9 @@ def main() -> None:
         others = [v for k, v in pushes.items() if k != STRAGGLER]
         r["straggler_push_share"] = pushes.get(STRAGGLER, 0) / statistics.mean(others) if others else None
     markdown = table(results, args, slow_ms)
-    (args.out / "convergence.md").write_text(markdown)
-    (args.out / "convergence.json").write_text(json.dumps(
-        {"command": "python benchmarks/convergence.py " + " ".join(sys.argv[1:]),
-         "straggler_ms": slow_ms, "args": {k: str(v) for k, v in vars(args).items()},
-         "total_s": round(time.monotonic() - started, 1), "results": results}, indent=1))
-    plot(results, args, args.out / "convergence.png")
+    write_markdown(args.out / "convergence.md", markdown, meta)
+    write_json(args.out / "convergence.json",
+               {"straggler_ms": slow_ms, "args": {k: str(v) for k, v in vars(args).items()},
+                "total_s": round(time.monotonic() - started, 1), "results": results}, meta)
+    stamp_png(plot(results, args, args.out / "convergence.png"), meta)
     print(markdown)
-
-
-if __name__ == "__main__":
-    main()

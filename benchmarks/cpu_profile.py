@@ -13,7 +13,7 @@ step, measured by the run). The contenders alternate over the rounds; medians.
 Needs `perf` (Debian's linux-perf) and leave to sample (root, or
 /proc/sys/kernel/perf_event_paranoid at most 1). About 1 minute a round at 1M, 2 at 10M:
 
-    python benchmarks/cpu_profile.py [--params 1M] [--seconds 10] [--rounds 2]
+    python -m benchmarks cpu_profile [--params 1M] [--seconds 10] [--rounds 2]
 
 Writes benchmarks/results/cpu_profile-PARAMS.md and .json.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import re
 import shutil
 import statistics
@@ -32,10 +31,12 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks import checkout
+from benchmarks.report import RESULTS, ROOT, Meta, write_json, write_markdown
+
 FREQUENCY = 999  # samples a second per CPU (odd: not in step with timers)
 WARMUP_S = {"1M": 8.0, "10M": 15.0}
 # Steps that outlast the warm-up, the window and a margin on this kind of machine; a run that
@@ -44,8 +45,9 @@ STEPS = {"1M": 3000, "10M": 400}
 _ROW = re.compile(r"^\s*([\d.]+)%\s+(\d+)\s+(.*?)\s*$")
 
 
-def _commands(params: str, steps: int, metrics: Path) -> dict[str, list[str]]:
-    tensorbus = [sys.executable, "-m", "run", "local", str(ROOT / "benchmarks" / "mlp.py"),
+def _commands(params: str, steps: int, metrics: Path, cli: list[str]) -> dict[str, list[str]]:
+    """Each contender's command; `cli` starts the checkout's tensorbus (benchmarks.checkout)."""
+    tensorbus = [*cli, "local", str(ROOT / "benchmarks" / "mlp.py"),
                  "--workers", "2", "--strategy", "sync", "--colocate", "--steps", str(steps),
                  "--threads", "1", "--no-progress", "--log-level", "error",
                  "--metrics", str(metrics)]
@@ -86,10 +88,10 @@ def _short(symbol: str) -> str:
     return symbol if len(symbol) <= 60 else symbol[:57] + "..."
 
 
-def profile(name: str, command: list[str], params: str, seconds: float, tmp: Path
-            ) -> dict[str, dict[str, float]]:
+def profile(name: str, command: list[str], params: str, seconds: float, tmp: Path,
+            env: dict[str, str]) -> dict[str, dict[str, float]]:
     """CPU ms per step of one contender, by dso and by function."""
-    env = {**os.environ, "BENCH_PARAMS": params, "PYTHONPATH": str(ROOT)}
+    env = {**env, "BENCH_PARAMS": params}
     data = tmp / f"{name.split()[0]}.data"
     metrics = Path(command[command.index("--metrics") + 1]) if "--metrics" in command else None
     run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -148,35 +150,31 @@ def _table(results: dict[str, list[dict[str, dict[str, float]]]], key: str, top:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks cpu_profile",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--params", choices=sorted(STEPS), default="1M")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if shutil.which("perf") is None:
-        sys.exit("cpu_profile.py needs perf (Debian: apt-get install linux-perf)")
+        sys.exit("cpu_profile needs perf (Debian: apt-get install linux-perf)")
     started = time.monotonic()
     results: dict[str, list[dict[str, dict[str, float]]]] = defaultdict(list)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, checkout.cli(ROOT) as (cli, env):
         for r in range(args.rounds):
-            runs = _commands(args.params, STEPS[args.params], Path(tmp) / f"m{r}.jsonl")
+            runs = _commands(args.params, STEPS[args.params], Path(tmp) / f"m{r}.jsonl", cli)
             for name, command in runs.items():
-                results[name].append(profile(name, command, args.params, args.seconds, Path(tmp)))
+                results[name].append(profile(name, command, args.params, args.seconds, Path(tmp),
+                                             env))
                 step = results[name][-1]["step_ms"]
                 print(f"round {r}: {name}: {step['wall']:.2f} ms a step, {step['cpu']:.2f} ms "
                       "of CPU sampled", flush=True)
-    again = f"python benchmarks/cpu_profile.py --params {args.params}"
-    lines = [(f"`{again}` ({args.rounds} rounds of {args.seconds:g} s sampled per contender, "
-             f"{time.monotonic() - started:.0f} s; CPU ms per step, medians)"), ""]
+    lines = [(f"{args.params} model, 2 workers, batch 64; {args.rounds} rounds of {args.seconds:g} s "
+              f"sampled per contender, {time.monotonic() - started:.0f} s; CPU ms per step, medians"), ""]
     lines += _table(results, "step_ms", 2) + [""] + _table(results, "dso", 8) + [""]
     lines += _table(results, "sym", 12)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"cpu_profile-{args.params}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"cpu_profile-{args.params}.json").write_text(json.dumps(results, indent=1))
+    write_markdown(args.out / f"cpu_profile-{args.params}.md", "\n".join(lines), meta)
+    write_json(args.out / f"cpu_profile-{args.params}.json", results, meta)
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

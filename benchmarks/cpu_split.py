@@ -10,7 +10,7 @@ step), ZeroMQ's I/O threads (`ZMQbg/IO/*`: the kernel's socket work), and the ot
 zero-copy garbage collector). For the baseline it runs the single-process step of the same
 model in the same invocation. Linux only. About a minute:
 
-    python benchmarks/cpu_split.py [--params 1M] [--seconds 8]
+    python -m benchmarks cpu_split [--params 1M] [--seconds 8]
 
 Writes benchmarks/results/cpu_split-PARAMS.md and .json.
 """
@@ -22,18 +22,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import checkout, steps
+from benchmarks.report import RESULTS, ROOT, Meta, write_json, write_markdown
 
-from benchmarks import steps
-
-RESULTS = ROOT / "benchmarks" / "results"
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -62,71 +60,72 @@ def last_version(metrics: Path) -> int:
     return versions[-1] if versions else 0
 
 
-def launch_warm(arguments: list[str], params: str, metrics: Path, warm: int) -> subprocess.Popen[str]:
-    """Start `tensorbus local SPEC *arguments --metrics metrics` on the `params` model and
-    return once it has made `warm` versions."""
-    command = [sys.executable, "-m", "run", "local", steps.SPEC, *arguments, "--metrics",
-               str(metrics), "--no-progress", "--log-level", "error"]
-    launcher = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "BENCH_PARAMS": params},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and last_version(metrics) >= warm):
-        if launcher.poll() is not None or time.monotonic() > deadline:
-            stop(launcher)
-            raise RuntimeError(f"the run did not get going: {launcher.stderr.read()[-2000:]}")  # type: ignore[union-attr]
-        time.sleep(0.2)
-    return launcher
+@contextmanager
+def running(arguments: list[str], params: str, metrics: Path, warm: int
+            ) -> Iterator[subprocess.Popen[str]]:
+    """`tensorbus local SPEC *arguments --metrics metrics` on the `params` model, from once it
+    has made `warm` versions to a graceful stop at the end of the block."""
+    with checkout.cli(ROOT) as (tensorbus, env):  # its link lives as long as the run
+        command = [*tensorbus, "local", steps.SPEC, *arguments, "--metrics", str(metrics),
+                   "--no-progress", "--log-level", "error"]
+        launcher = subprocess.Popen(command, cwd=ROOT, env={**env, "BENCH_PARAMS": params},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (metrics.exists() and last_version(metrics) >= warm):
+                if launcher.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the run did not get going: {stop(launcher)[-2000:]}")
+                time.sleep(0.2)
+            yield launcher
+        finally:
+            if launcher.returncode is None:
+                stop(launcher)
 
 
-def stop(launcher: subprocess.Popen[str]) -> None:
-    """A graceful stop (the metrics summary is written), or a kill after a minute."""
+def stop(launcher: subprocess.Popen[str]) -> str:
+    """A graceful stop (the metrics summary is written), or a kill after a minute; what the
+    run wrote to stderr."""
     launcher.send_signal(signal.SIGTERM)
     try:
-        launcher.communicate(timeout=60)
+        return launcher.communicate(timeout=60)[1]
     except subprocess.TimeoutExpired:
         launcher.kill()
-        launcher.communicate()
+        return launcher.communicate()[1]
 
 
 def measure(params: str, seconds: float) -> dict[str, float]:
     """Per-version CPU milliseconds of the launcher's thread groups."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        launcher = launch_warm(["--workers", "2", "--colocate", "--strategy", "sync", "--steps",
-                                "1000000", "--threads", "1"], params, metrics, 100)
-        try:
+        with running(["--workers", "2", "--colocate", "--strategy", "sync", "--steps", "1000000",
+                      "--threads", "1"], params, metrics, 100) as launcher:
             before, v0, t0 = thread_cpu(launcher.pid), last_version(metrics), time.monotonic()
             time.sleep(seconds)
             after, v1, t1 = thread_cpu(launcher.pid), last_version(metrics), time.monotonic()
-        finally:
-            stop(launcher)
     versions = v1 - v0
     split = {group: 1000 * (after[group] - before.get(group, 0.0)) / versions for group in after}
     return {**split, "total": sum(split.values()), "wall": 1000 * (t1 - t0) / versions}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks cpu_split",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="1M", choices=["1M", "10M"])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     split = measure(args.params, args.seconds)
     single = 1000 * steps.single(args.params, 200)
-    title = (f"`python benchmarks/cpu_split.py --params {args.params}` (launcher of `local "
-             f"--workers 2 --colocate`, per version, over {args.seconds:g} s)")
+    title = (f"{args.params} model: the launcher of `local --workers 2 --colocate`, per version, over "
+             f"{args.seconds:g} s; beside it, one process's step of the same model and batch")
     lines = [title, "",
              "| where | CPU ms per version |", "|---|---:|"]
     lines += [f"| {group} | {ms:.2f} |" for group, ms in split.items() if group not in ("total", "wall")]
     lines += [f"| all threads of the process | {split['total']:.2f} |",
               f"| wall time per version | {split['wall']:.2f} |",
-              f"| single-process step, same model and batch (wall) | {single:.2f} |"]
-    args.out.mkdir(parents=True, exist_ok=True)
+              f"| single-process step, same model and batch (wall) | {single:.2f} |",
+              f"| wall time per version ÷ single-process step | {split['wall'] / single:.2f} |"]
     name = f"cpu_split-{args.params}"
-    (args.out / f"{name}.json").write_text(json.dumps({**split, "single": single}, indent=1) + "\n")
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    write_json(args.out / f"{name}.json", {**split, "single": single}, meta)
+    write_markdown(args.out / f"{name}.md", "\n".join(lines), meta)
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

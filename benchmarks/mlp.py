@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from run.shards import Shards
+from tensorbus.run.shards import Shards
 
 HIDDEN = {"1M": 680, "10M": 2820, "50M": 6650}
 SAMPLES = 8192  # enough batches of 64 for every timed run; loaded once per process

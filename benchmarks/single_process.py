@@ -1,10 +1,14 @@
 """The single-process baseline: the same SPEC trained in one process, for comparison.
 
 Trains `model()` on `data(0, 1, B)` with the same optimizer, seed and step count that
-`tensorbus local` uses, then prints `evaluate()` as JSON. With B = N*b it is the run that
-sync training with N workers of batch b must match, e.g.:
+`tensorbus local` uses, then prints `evaluate()` as JSON (with the run's metadata). With
+B = N*b it is the run that sync training with N workers of batch b must match: the README's
+quick start (`tensorbus local examples/fashion_mnist.py --workers 4 --strategy sync --epochs
+1`) beside
 
-    python benchmarks/single_process.py examples/fashion_mnist.py --batch-size 256 --epochs 1
+    python -m benchmarks single_process examples/fashion_mnist.py --batch-size 256 --epochs 1
+
+It writes no result file: its figures belong beside that run's.
 """
 
 from __future__ import annotations
@@ -12,14 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
+from dataclasses import asdict
 
 import torch
 
-from run.spec import load_spec
+from benchmarks.report import Meta
+from tensorbus.run.spec import load_spec
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks single_process",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("spec")
     parser.add_argument("--batch-size", type=int, required=True, help="the global batch, N*b")
     length = parser.add_mutually_exclusive_group()
@@ -28,7 +36,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1, help="as tensorbus --lr (default 0.1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     spec = load_spec(args.spec)
@@ -49,10 +57,7 @@ def main() -> None:
             loss, done = float(value.detach()), done + 1
             if done == steps:
                 break
-    result = {"steps": steps, "batch_size": args.batch_size, "wall_s": round(time.perf_counter() - started, 3),
-              "final_loss": loss, **(spec.evaluate(model) if spec.evaluate else {})}
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    result = {"steps": steps, "batch_size": args.batch_size,
+              "wall_s": round(time.perf_counter() - started, 3), "final_loss": loss,
+              **(spec.evaluate(model) if spec.evaluate else {})}
+    print(json.dumps({"meta": asdict(meta), "result": result}))

@@ -1,4 +1,4 @@
-"""Parts (b), (c) and (d) of the benchmark: training steps and pushes, against baselines.
+"""Parts (b), (c) and (d) of the speed benchmark: training steps and pushes, and their baselines.
 
 Every contender trains `benchmarks/mlp.py` (BENCH_PARAMS=1M or 10M) with one torch thread
 per process, on this machine, in its own processes:
@@ -24,7 +24,6 @@ import multiprocessing as mp
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +32,11 @@ from typing import Any
 import torch
 import zmq
 
-from benchmarks import mlp
+from benchmarks import checkout, mlp
+from benchmarks.report import ROOT
 from benchmarks.throughput import free_port
-from nodes.trace import load
+from tensorbus.nodes.trace import load
 
-ROOT = Path(__file__).resolve().parent.parent
 SPEC = str(ROOT / "benchmarks" / "mlp.py")
 BATCH = 64
 
@@ -125,15 +124,14 @@ def _tensorbus(params: str, workers: int, strategy: str, steps: int, *extra: str
                tree: Path = ROOT) -> list[dict[str, Any]]:
     """The metrics records of `tensorbus local` run from the checkout `tree` (this one
     unless said: benchmarks/ab.py runs another commit's beside it)."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, checkout.cli(tree) as (tensorbus, env):
         metrics = Path(tmp) / "metrics.jsonl"
-        command = [sys.executable, "-m", "run", "local", str(tree / "benchmarks" / "mlp.py"),
+        command = [*tensorbus, "local", str(tree / "benchmarks" / "mlp.py"),
                    "--workers", str(workers), "--strategy", strategy, "--steps", str(steps),
                    "--threads", "1", "--metrics", str(metrics), "--no-progress", "--log-level",
                    "error", *extra]
-        env = {**os.environ, "BENCH_PARAMS": params, "PYTHONPATH": str(tree)}
-        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
-                              timeout=600, check=False)
+        done = subprocess.run(command, cwd=tree, env={**env, "BENCH_PARAMS": params},
+                              capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
         return [json.loads(line) for line in metrics.read_text().splitlines()]

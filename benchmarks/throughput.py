@@ -7,20 +7,21 @@ answer), so that their ratios compare like with like:
 - `memcpy`: `copy_` into a warm buffer in one process: what the memory can do.
 - `zmq-1frame`: raw pyzmq, the tensor as one zero-copy frame (PUSH -> PULL over tcp).
 - `zmq-chunked`: raw pyzmq, the tensor as 1 MiB zero-copy frames (the bus's size).
-- `tensorbus`: the bus itself: a Push through `bus.codec` and `bus.transport`
+- `tensorbus`: the bus itself: a Push through `tensorbus.bus.codec` and `.transport`
   (`ZmqClient` -> `ZmqServer`), decoded on arrival, every frame checked.
 
-The bus's receiver keeps freed memory for reuse (`run.memory.keep_freed_memory`), as every
-tensorbus process does: libzmq allocates each received frame on its I/O thread, and with
-glibc's default thresholds the freed frames' pages go back to the system and fault in
-again. Raw pyzmq is measured both ways (`kept`), so that a ratio can hold the bus to raw
+The bus's receiver keeps freed memory for reuse (`tensorbus.run.memory.keep_freed_memory`),
+as every tensorbus process does: libzmq allocates each received frame on its I/O thread,
+and with glibc's default thresholds the freed frames' pages go back to the system and fault
+in again. Raw pyzmq is measured both ways (`kept`), so that a ratio can hold the bus to raw
 pyzmq's best with the same process setting, and show what the setting itself is worth.
 
-Each returns GB/s (10^9 bytes per second). Run as a script, it sweeps raw pyzmq's frame
-size for one tensor, with and without the receiver keeping freed memory (which chunk size
-the bus should use, and what one frame costs):
+Each returns GB/s (10^9 bytes per second). Run as a benchmark of its own, it sweeps raw
+pyzmq's frame size for one tensor, with and without the receiver keeping freed memory, beside
+the bus, round after round (which chunk size the bus should use, and what one frame costs);
+it writes benchmarks/results/throughput-{MB}MB.md and .json:
 
-    python benchmarks/throughput.py [--mb 128] [--rounds 4]
+    python -m benchmarks throughput [--mb 128] [--rounds 4]     # about 3 minutes
 
 The sender of each pyzmq and tensorbus run is a fresh process too, as the receiver is:
 what one case leaves in a process (heaps, threads, pyzmq's zero-copy garbage collector's
@@ -34,13 +35,17 @@ import asyncio
 import multiprocessing as mp
 import queue
 import socket
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import zmq
+
+from benchmarks.report import RESULTS, Meta, write_json, write_markdown
 
 CHUNK = 1 << 20
 WAIT_S = 120  # the longest any side waits for the other: a dead peer fails the case
@@ -99,7 +104,7 @@ def raw_zmq(size: int, repeats: int, *, chunk: int | None, kept: bool = False) -
 
 
 def _keep_freed_memory() -> None:
-    from run.memory import keep_freed_memory
+    from tensorbus.run.memory import keep_freed_memory
 
     if not keep_freed_memory():
         raise RuntimeError("this C library has no mallopt: the kept cases need glibc")
@@ -131,10 +136,10 @@ def _raw_sender(size: int, repeats: int, chunk: int | None, kept: bool) -> float
 
 
 def _bus_receiver(port: int, size: int, repeats: int) -> None:
-    from bus.codec import decode
-    from bus.transport import ZmqServer, new_event_loop
+    from tensorbus.bus.codec import decode
+    from tensorbus.bus.transport import ZmqServer, new_event_loop
 
-    _keep_freed_memory()  # as every tensorbus process does (run/cli.py)
+    _keep_freed_memory()  # as every tensorbus process does (tensorbus.run.cli)
 
     async def main() -> None:
         server = ZmqServer(f"tcp://127.0.0.1:{port}", max_message_bytes=size + 65536,
@@ -163,9 +168,9 @@ def tensorbus(size: int, repeats: int) -> float:
 
 
 def _bus_sender(size: int, repeats: int) -> float:
-    from bus.codec import encode
-    from bus.messages import Push
-    from bus.transport import ZmqClient, new_event_loop
+    from tensorbus.bus.codec import encode
+    from tensorbus.bus.messages import Push
+    from tensorbus.bus.transport import ZmqClient, new_event_loop
 
     port = _two_ports(3)
     receiver = mp.get_context("spawn").Process(target=_bus_receiver, args=(port, size, repeats))
@@ -255,24 +260,35 @@ SWEEP = (None, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)  # frame sizes; 
 KEPT_SWEEP = (None, 512 << 10, 1 << 20)  # the same, the receiver keeping freed memory
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="raw pyzmq throughput by frame size, and the bus")
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks throughput",
+                                     description="raw pyzmq throughput by frame size, and the bus")
     parser.add_argument("--mb", type=int, default=128, help="tensor size in MiB")
     parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
     size = args.mb << 20
     repeats = max(8, 1024 // args.mb)
     names = ([f"{c >> 10} KiB frames" if c else "one frame" for c in SWEEP]
              + [f"{c >> 10} KiB, kept" if c else "one frame, kept" for c in KEPT_SWEEP]
              + ["tensorbus"])
-    print("| round | " + " | ".join(names) + " |")
-    print("|---:|" + "---:|" * len(names))
+    lines = [(f"{args.mb} MiB, GB/s, {repeats} tensors a case; \"kept\": the receiver keeps freed "
+              "memory, as a tensorbus process does"), "",
+             "| round | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    print("\n".join(lines))
+    rounds = []
     for r in range(args.rounds):  # interleaved: a noisy moment slows one round of all
         figures = ([raw_zmq(size, repeats, chunk=c) for c in SWEEP]
                    + [raw_zmq(size, repeats, chunk=c, kept=True) for c in KEPT_SWEEP]
                    + [tensorbus(size, repeats)])
-        print(f"| {r + 1} | " + " | ".join(f"{g:.2f}" for g in figures) + " |", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        rounds.append(dict(zip(names, figures, strict=True)))
+        lines.append(f"| {r + 1} | " + " | ".join(f"{g:.2f}" for g in figures) + " |")
+        print(lines[-1], flush=True)
+    # The bus against raw pyzmq's fastest way, within each round.
+    best = [f["tensorbus"] / max(v for k, v in f.items() if k != "tensorbus") for f in rounds]
+    lines += ["", (f"tensorbus / raw pyzmq's fastest way in the same round: median "
+                   f"{statistics.median(best):.2f} (min {min(best):.2f}, max {max(best):.2f})")]
+    name = f"throughput-{args.mb}MB"
+    write_json(args.out / f"{name}.json", {"mb": args.mb, "repeats": repeats, "rounds": rounds}, meta)
+    write_markdown(args.out / f"{name}.md", "\n".join(lines), meta)
+    print(lines[-1])

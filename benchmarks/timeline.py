@@ -15,7 +15,8 @@ Versions of the first third of the run are left out (warm-up). The trace's times
 wall-clock, so every figure includes the waits for a core (2 processes, each with an event
 loop, a compute thread and ZeroMQ's I/O thread, on this machine's 2 cores). About 30 s:
 
-    python benchmarks/timeline.py [--params 1M] [--steps 1500]
+    python -m benchmarks timeline [--params 1M] [--steps 1500]
+    python -m benchmarks timeline --params 10M --steps 200
 
 Writes benchmarks/results/timeline-PARAMS.md.
 """
@@ -24,16 +25,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 from benchmarks import steps
-
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.report import RESULTS, Meta, write_markdown
 
 
 def timeline(events: list[dict[str, Any]], first: int) -> dict[str, float]:
@@ -57,21 +54,18 @@ def timeline(events: list[dict[str, Any]], first: int) -> dict[str, float]:
     return {name: statistics.median(us) / 1000 for name, us in parts.items() if us}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks timeline",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="1M", choices=["1M", "10M"])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     figures = timeline(steps.colocated_trace(args.params, args.steps), args.steps // 3)
-    lines = [(f"`python benchmarks/timeline.py --params {args.params} --steps {args.steps}` "
-              f"(medians over versions {args.steps // 3 + 1} to {args.steps})"), "",
-             "| part of a version | ms |", "|---|---:|"]
-    lines += [f"| {name} | {ms:.2f} |" for name, ms in figures.items()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"timeline-{args.params}.md").write_text("\n".join(lines) + "\n")
+    lines = [(f"{args.params} model, `local --workers 2 --colocate --strategy sync`, {args.steps} "
+              f"versions; medians over versions {args.steps // 3 + 1} to {args.steps}"), "",
+             "| part of a version | ms | ÷ version to version |", "|---|---:|---:|"]
+    whole = figures["version to version (apply to next apply)"]
+    lines += [f"| {name} | {ms:.2f} | {ms / whole:.2f} |" for name, ms in figures.items()]
+    write_markdown(args.out / f"timeline-{args.params}.md", "\n".join(lines), meta)
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()
