@@ -46,11 +46,11 @@ WARN_KEYS: Final = 64  # distinct refused keys that get a warning; later ones ar
 class KeysError(ValueError):
     """A key file is missing, unreadable or malformed: which file, and how to make one."""
 
-    def __init__(self, path: Path, problem: str) -> None:
+    def __init__(self, path: Path, problem: str, fix: str | None = None) -> None:
         super().__init__(
-            f"{path}: {problem}; make keys with `tensorbus keys {path.parent}` "
-            "(then copy coordinator.key and the worker's NAME.key_secret to the worker)"
-        )
+            f"{path}: {problem}; " + (fix or f"make keys with `tensorbus keys {path.parent}` "
+                                      "(then copy coordinator.key and the worker's "
+                                      "NAME.key_secret to the worker)"))
         self.path = path
         self.problem = problem
 
@@ -165,7 +165,16 @@ def load_server_keys(directory: Path) -> ServerKeys:
 def load_client_keys(directory: Path, name: str = "worker") -> ClientKeys:
     """Worker NAME's keys: its pair (NAME.key_secret) and the coordinator's public key."""
     directory = Path(directory)
-    public, secret = _read_pair(directory / f"{name}.key_secret")
+    pair = directory / f"{name}.key_secret"
+    if directory.is_dir() and not pair.exists():
+        held = sorted(p.name.removesuffix(".key_secret") for p in directory.glob("*.key_secret")
+                      if p.name != f"{COORDINATOR_NAME}.key_secret")
+        raise KeysError(
+            pair, f"no key pair named {name} (--key-name) here, where there are: "
+                  f"{', '.join(held) if held else 'none'}",
+            f"give one of those to --key-name, or make it with `tensorbus keys {directory} "
+            f"--worker {name}` and copy its {name}.key to the coordinator's authorized/")
+    public, secret = _read_pair(pair)
     server_public = _read_public(directory / f"{COORDINATOR_NAME}.key")
     return ClientKeys(public=public, secret=secret, server_public=server_public)
 

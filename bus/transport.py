@@ -52,6 +52,8 @@ from tensorbus.bus.security import ClientKeys, KeyGate, ServerKeys, curve_client
 Frames = Sequence[Any]  # anything with the buffer protocol
 TRACK_ABOVE: Final = zmq.COPY_THRESHOLD  # smaller frames are copied by pyzmq: nothing to track
 PUB_QUEUE: Final = 8  # broadcasts queued per subscriber before PUB drops
+# A connection whose handshake failed before any key was shown (a peer without keys).
+_PLAIN_REFUSED: Final = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 TOPIC_ALL: Final = b"a"  # broadcast topics (see above)
 TOPIC_WEIGHTS: Final = b"w"
 TOPIC_SHARED: Final = b"s"
@@ -216,7 +218,16 @@ class ZmqServer:
                 self._gate = KeyGate(self._context, keys.authorized)
             self._requests = self._socket(zmq.ROUTER, max_message_bytes)
             self._router = self._requests.socket
-            self._router.bind(f"tcp://{host}:{port or '*'}")
+            # Peers without keys never reach the gate (libzmq drops them at the mechanism
+            # mismatch): only the socket's monitor sees them.
+            self._monitor = (self._router.get_monitor_socket(_PLAIN_REFUSED)
+                             if keys is not None else None)
+            try:
+                self._router.bind(f"tcp://{host}:{port or '*'}")
+            except zmq.ZMQError as e:
+                raise OSError(f"cannot bind the request port, {bind} ({_reason(e)}): stop "
+                              "what holds it (a coordinator still running?), or choose "
+                              "another port") from None
             self.endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             _, bound = split_endpoint(self.endpoint)
             # A fixed request port gets a fixed broadcast port beside it (firewall rules);
@@ -228,7 +239,13 @@ class ZmqServer:
             # and the worker catches up with a Pull.
             self._pub.setsockopt(zmq.SNDHWM, PUB_QUEUE)
             want = pub_port if pub_port is not None else (port + 1 if port else 0)
-            self._pub.bind(f"tcp://{host}:{want or '*'}")
+            try:
+                self._pub.bind(f"tcp://{host}:{want or '*'}")
+            except zmq.ZMQError as e:
+                raise OSError(f"cannot bind the broadcast port, tcp://{host}:{want} "
+                              f"({_reason(e)}), which is the request port + 1 unless "
+                              "--pub-port says otherwise: stop what holds it, or give "
+                              "another --pub-port") from None
             _, self.pub_port = split_endpoint(self._pub.getsockopt_string(zmq.LAST_ENDPOINT))
             # With a hub, also in-process: for a worker of this process (after the tcp
             # binds, which LAST_ENDPOINT above must name).
@@ -238,22 +255,24 @@ class ZmqServer:
                 self._router.bind(requests)
                 self._pub.bind(broadcasts)
                 self.inproc_endpoint = requests
-        except zmq.ZMQError as e:
-            self.close()
-            raise OSError(
-                f"cannot bind {bind} or its broadcast port ({_reason(e)}); the broadcast port is "
-                "PORT+1 unless --pub-port says otherwise: stop what holds them, or choose "
-                "other ports"
-            ) from None
         except BaseException:
             self.close()
             raise
         self.port = bound
+        self._plain_refused = 0
 
     @property
     def rejected(self) -> int:
-        """CURVE handshakes refused for an unknown key (0 without keys)."""
-        return self._gate.rejected if self._gate is not None else 0
+        """Connections refused with keys on: handshakes of unknown keys, and of peers with
+        none (0 without keys). Read without waiting."""
+        if self._monitor is not None:
+            while True:
+                try:
+                    self._monitor.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._plain_refused += 1
+        return self._plain_refused + (self._gate.rejected if self._gate is not None else 0)
 
     def _socket(self, kind: int, max_message_bytes: int) -> LoopSocket:
         socket: zmq.Socket[Any] = self._context.socket(kind)
@@ -294,6 +313,11 @@ class ZmqServer:
         if self._gate is not None:
             self._gate.close()
             self._gate = None
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:  # (before the socket it watches)
+            self._router.disable_monitor()
+            monitor.close(linger=0)
+            self._monitor = None
         for socket in self._sockets:  # (unwatched first: the loop must not poll closed ones)
             socket.close()
         if self._hub is None:  # a hub's context outlives us

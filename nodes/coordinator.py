@@ -321,7 +321,7 @@ class Coordinator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             assert self._server is not None
-            if self._server.rejected:  # CURVE handshakes of unlisted keys
+            if self._server.rejected:  # CURVE handshakes of unlisted keys, or none
                 self.metrics.rejected["handshake"] = self._server.rejected
             self._server.close()
             if self._probe is not None:
@@ -1050,8 +1050,21 @@ class Coordinator:
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))
+            self._check_refused()
             await self._check_phase(now)
             self._forget(now)
+
+    def _check_refused(self) -> None:
+        """Say connections refused for their keys, as they come (a worker started without
+        --keys, or with a pair this coordinator does not hold, is told nothing)."""
+        assert self._server is not None
+        refused = self._server.rejected
+        if refused > self.metrics.rejected["handshake"]:
+            log.warning("refused %d connection(s) for their keys (%d in all): this "
+                        "coordinator admits only the workers whose public keys are in "
+                        "--keys DIR/authorized; start each with --keys DIR --key-name NAME",
+                        refused - self.metrics.rejected["handshake"], refused)
+            self.metrics.rejected["handshake"] = refused
 
     def _forget(self, now: float) -> None:
         """Bound what strangers can make us remember: connections come and go (each
@@ -1065,6 +1078,10 @@ class Coordinator:
             early = self.metrics.lost
             gone = (f"; {len(early)} joined and were lost before training began (ranks "
                     f"{', '.join(str(w['rank']) for w in early)})" if early else "")
+            refused = self.metrics.rejected["handshake"]
+            if refused:
+                gone += (f"; {refused} connection(s) were refused for their keys: start "
+                         "workers with --keys DIR and a key pair in DIR/authorized")
             if len(self._members) < self.strategy.workers:
                 await self._fail(
                     f"only {len(self._members)} of {self.strategy.workers} workers joined "

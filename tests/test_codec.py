@@ -380,7 +380,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, -1, 255, "6", None, [6]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, -1, 255, "7", None, [7]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
