@@ -3,10 +3,28 @@
 Knows nothing of training: it moves typed messages with flat tensors between nodes.
 """
 
-from tensorbus.bus.codec import DTYPES, decode, encode
-from tensorbus.bus.errors import PeerTimeoutError, RejectedError, WireError
-from tensorbus.bus.layout import Layout
-from tensorbus.bus.messages import COORDINATOR, PROTOCOL_VERSION, Kind, Message, Phase, RejectCode
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported when first used, not with the package: the command line reads the wire's
+# version (bus.protocol) and the configs without importing torch.
+_WHERE = {
+    "COORDINATOR": "messages",
+    "DTYPES": "codec",
+    "Kind": "messages",
+    "Layout": "layout",
+    "Message": "messages",
+    "PROTOCOL_VERSION": "messages",
+    "PeerTimeoutError": "errors",
+    "Phase": "messages",
+    "RejectCode": "messages",
+    "RejectedError": "errors",
+    "WireError": "errors",
+    "decode": "codec",
+    "encode": "codec",
+}
 
 __all__ = [
     "COORDINATOR",
@@ -23,3 +41,11 @@ __all__ = [
     "decode",
     "encode",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tensorbus.bus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

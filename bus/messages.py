@@ -10,28 +10,13 @@ only the collectives of custom loops (Collective, Result) carry tensors of any s
 from __future__ import annotations
 
 import enum
-import importlib.metadata
 import typing
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Final
 
 from tensorbus.bus.pieces import Received
+from tensorbus.bus.protocol import BUILD, PROTOCOL_VERSION  # noqa: F401 (theirs)
 
-# 2: pushes carry telemetry, acks the time held; 3: chunked tensors; 4: Changes;
-# 5: tensors by reference (bus.shared) and the Welcome's offer of them; 6: broadcasts
-# under a topic frame, a version's weights by reference too (Weights.generation); 7: segment
-# names carry their creator's start time (bus.shared.sweep)
-PROTOCOL_VERSION: Final = 7
-
-
-def _build() -> str:
-    try:
-        return importlib.metadata.version("tensorbus")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-BUILD: Final = _build()  # this release, sent on join so that mismatched builds are named
 COORDINATOR: Final = -1  # the sender id of the coordinator; workers are 0..N-1
 
 

@@ -4,19 +4,34 @@ parameter server: one Coordinator per shard) and Colocated (a worker that serves
 shard of the parameters); for custom training loops, Group (allreduce,
 broadcast, allgather, barrier over a rendezvous: see nodes.collectives)."""
 
-from tensorbus.nodes.collectives import (
-    CollectiveMismatchError,
-    Group,
-    GroupFailedError,
-    GroupServer,
-)
-from tensorbus.nodes.colocated import Colocated
-from tensorbus.nodes.config import CoordinatorConfig, WorkerConfig
-from tensorbus.nodes.coordinator import Coordinator, Progress, State, TrainingError
-from tensorbus.nodes.link import RunFailedError
-from tensorbus.nodes.relay import Relay
-from tensorbus.nodes.shards import ShardModel, assemble
-from tensorbus.nodes.worker import ComputeError, DataError, Worker, WorkerReport
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported when first used, not with the package: the command line reads the wire's
+# version (bus.protocol) and the configs without importing torch.
+_WHERE = {
+    "CollectiveMismatchError": "collectives",
+    "Colocated": "colocated",
+    "ComputeError": "worker",
+    "Coordinator": "coordinator",
+    "CoordinatorConfig": "config",
+    "DataError": "worker",
+    "Group": "collectives",
+    "GroupFailedError": "collectives",
+    "GroupServer": "collectives",
+    "Progress": "coordinator",
+    "Relay": "relay",
+    "RunFailedError": "link",
+    "ShardModel": "shards",
+    "State": "coordinator",
+    "TrainingError": "coordinator",
+    "Worker": "worker",
+    "WorkerConfig": "config",
+    "WorkerReport": "worker",
+    "assemble": "shards",
+}
 
 __all__ = [
     "CollectiveMismatchError",
@@ -39,3 +54,11 @@ __all__ = [
     "WorkerReport",
     "assemble",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tensorbus.nodes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

@@ -17,13 +17,11 @@ import os
 import signal
 import sys
 import traceback
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from tensorbus.bus.errors import HandshakeError, PeerTimeoutError, RejectedError
-from tensorbus.bus.messages import BUILD, PROTOCOL_VERSION
 from tensorbus.bus.security import load_client_keys, load_server_keys, make_keys
 from tensorbus.bus.transport import is_loopback, new_event_loop, split_endpoint
 from tensorbus.nodes.checkpoint import CheckpointError
@@ -33,7 +31,7 @@ from tensorbus.nodes.link import RunFailedError
 from tensorbus.nodes.metrics import MetricsError
 from tensorbus.nodes.relay import Relay
 from tensorbus.nodes.worker import ComputeError, DataError, Worker
-from tensorbus.run import cluster, device, interrupts
+from tensorbus.run import cluster, device, flags, interrupts
 from tensorbus.run.faults import parse_worker
 from tensorbus.run.local import LocalRunError, launch_local
 from tensorbus.run.memory import keep_freed_memory
@@ -45,11 +43,13 @@ from tensorbus.run.spec import SpecError, load_spec, said
 from tensorbus.run.status import StatusTable
 from tensorbus.strategies import STRATEGIES
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    return run(flags.parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Carry out a parsed command line (run.flags): its exit status."""
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s {args.command} %(levelname)s %(message)s",
@@ -254,16 +254,12 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-# Every strategy option has a flag below; which strategy takes which is the strategy's say.
-STRATEGY_FLAGS = sorted(set().union(*(cls.options for cls in STRATEGIES.values())))
-
-
 def _run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(
         workers=args.workers, strategy=args.strategy, steps=args.steps, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, seed=args.seed, metrics=args.metrics,
         heartbeat_s=args.heartbeat, timeout_s=args.timeout, join_timeout_s=args.join_timeout,
-        strategy_options={k: getattr(args, k) for k in STRATEGY_FLAGS if getattr(args, k) is not None},
+        strategy_options={k: getattr(args, k) for k in flags.STRATEGY_FLAGS if getattr(args, k) is not None},
         faults=tuple(getattr(args, "fault", None) or ()), eval_every_s=args.eval_every,
         min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
@@ -277,18 +273,6 @@ def _shards(args: argparse.Namespace) -> int:
     if getattr(args, "shard", None) is not None:
         return int(args.shard[1])
     return int(getattr(args, "shards", None) or 1)
-
-
-def _shard(text: str) -> tuple[int, int]:
-    """`--shard I/S`: this coordinator is shard I (from 0) of S."""
-    try:
-        index, count = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not I/S (this shard's index from 0, "
-                                         "then the number of shards), e.g. 0/2") from None
-    if not 0 <= index < count:
-        raise argparse.ArgumentTypeError(f"{text!r}: the index must be in 0..S-1")
-    return index, count
 
 
 def _device(name: str) -> str:
@@ -308,210 +292,3 @@ def _refuse_public_bind(args: argparse.Namespace) -> None:
 
 def _print_summary(summary: dict[str, Any]) -> None:
     print(json.dumps(summary, indent=1), flush=True)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog="tensorbus", description="Train one PyTorch model on many processes over ZeroMQ."
-    )
-    parser.add_argument("--version", action="version",
-                        version=f"tensorbus {BUILD} (wire protocol {PROTOCOL_VERSION})")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("spec", help="a SPEC: a Python file or module:object")
-        p.add_argument("--threads", type=int, default=None, help="torch threads per process")
-        p.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
-        p.add_argument("--debug", action="store_true", help="print the traceback of an error")
-
-    def shared_memory(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--no-shared-memory", action="store_true",
-                       help="gradients cross the socket as bytes even between a worker and "
-                            "a coordinator on this host (by default, under sync, a worker "
-                            "pushes them by reference, from shared memory)")
-
-    def training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> None:
-        p.add_argument("--workers", type=int, required=not workers_from_env,
-                       help="workers to train with" + (" (default: WORLD_SIZE)"
-                                                       if workers_from_env else ""))
-        p.add_argument("--strategy", choices=sorted(STRATEGIES), default="sync")
-        length = p.add_mutually_exclusive_group()
-        length.add_argument("--steps", type=int, help="versions to apply")
-        length.add_argument("--epochs", type=int, help="passes over each worker's shard (default 1)")
-        p.add_argument("--batch-size", type=int, default=64, help="per worker (default 64)")
-        p.add_argument("--lr", type=float, default=0.1, help="for the default SGD (default 0.1)")
-        p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
-        p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
-        p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
-        p.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
-        p.add_argument("--join-timeout", type=float, default=300.0,
-                       help="wait this long for workers, in seconds (default 300)")
-        p.add_argument("--no-progress", action="store_true", help="no progress line")
-        p.add_argument("--status", type=float, nargs="?", const=5.0, metavar="SECONDS",
-                       help="print the per-worker status table every SECONDS (default 5); "
-                            "it is also printed on SIGUSR1, or Enter on a terminal")
-        p.add_argument("--trace", type=Path, metavar="FILE.json",
-                       help="write a timeline of the run (Chrome trace events: open it in "
-                            "Perfetto or chrome://tracing)")
-        p.add_argument("--min-workers", type=int, metavar="M",
-                       help="stop with an error when fewer than M workers are left (default 1)")
-        p.add_argument("--max-workers", type=int, metavar="W",
-                       help="ranks 0..W-1 exist and data is sharded W ways, so that workers "
-                            "beyond --workers may join during training (default: --workers)")
-        p.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
-                       help="write checkpoints here (atomically; the 3 newest are kept), "
-                            "at the end and on SIGTERM or Ctrl-C")
-        p.add_argument("--checkpoint-every", type=int, metavar="K",
-                       help="also write a checkpoint every K versions")
-        p.add_argument("--keys", type=Path, metavar="DIR",
-                       help="CURVE: encrypt every socket and admit only the workers whose "
-                            "public keys are in DIR/authorized (see `tensorbus keys`)")
-        p.add_argument("--resume", action="store_true",
-                       help="go on from the newest checkpoint in --checkpoint-dir (if any)")
-        p.add_argument("--compress", metavar="bf16|fp16|topk:R",
-                       help="push gradients in bf16 or fp16 (half the bytes), or as the "
-                            "largest R of their elements (topk:0.01: 1%%, with error "
-                            "feedback); the coordinator keeps fp32 weights (sync, ssp, async)")
-        shared_memory(p)
-        p.add_argument("--eval-every", type=float, metavar="SECONDS",
-                       help="copy the weights every SECONDS of training and evaluate the copies "
-                            "after training (accuracy against time, in --metrics)")
-        s = p.add_argument_group("strategy options")
-        s.add_argument("--backups", type=int, metavar="K",
-                       help="sync: step on the first WORKERS-K gradients of a version")
-        s.add_argument("--staleness", type=int, metavar="S",
-                       help="ssp: clocks differ by at most S+1 (default 2)")
-        s.add_argument("--staleness-lr", action="store_true", default=None,
-                       help="ssp, async: divide each step by 1 + its staleness")
-        s.add_argument("--average-every", type=int, metavar="H",
-                       help="average: local steps between averages (default 8)")
-        s.add_argument("--outer-lr", type=float,
-                       help="average: SGD on the averaged change with this lr (DiLoCo)")
-        s.add_argument("--outer-momentum", type=float, help="average: its momentum")
-        s.add_argument("--nesterov", action="store_true", default=None,
-                       help="average: Nesterov momentum for the outer SGD")
-
-    local = commands.add_parser("local", help="a coordinator and N workers on this machine")
-    common(local)
-    training(local)
-    local.add_argument("--fault", action="append", metavar="KIND:RANK:N",
-                       help="inject a fault (repeatable): slow:RANK:MS sleeps MS ms in every "
-                            "step of worker RANK; crash:RANK:STEP kills it at local step STEP")
-    local.add_argument("--device", default="auto",
-                       help="auto (worker R on GPU R mod the GPUs here, where CUDA is "
-                            "present; else the CPU), cpu, cuda (the same, but insists on "
-                            "GPUs) or cuda:N (every worker on GPU N) (default auto)")
-    local.add_argument("--shards", type=int, metavar="S",
-                       help="a sharded parameter server: S coordinators, each owning a range "
-                            "of the parameters; every worker talks to all of them (default 1)")
-    local.add_argument("--colocate", action="store_true",
-                       help="no central coordinator: each worker process also serves one "
-                            "shard of the parameters, so that each moves about one model a "
-                            "step, as a ring all-reduce does (sync and average)")
-
-    coordinator = commands.add_parser("coordinator", help="the coordinator alone")
-    common(coordinator)
-    training(coordinator, workers_from_env=True)
-    coordinator.add_argument("--bind", help="tcp://HOST:PORT for requests (default: "
-                                            "tcp://0.0.0.0:PORT with --keys, else "
-                                            "tcp://127.0.0.1:PORT, PORT as --port says)")
-    coordinator.add_argument("--port", type=int,
-                             help="with no --bind, the port to bind (default: "
-                                  f"MASTER_PORT, else {cluster.DEFAULT_PORT})")
-    coordinator.add_argument("--pub-port", type=int, help="broadcast port (default PORT+1)")
-    coordinator.add_argument("--insecure", action="store_true",
-                             help="allow a non-loopback --bind without keys")
-    coordinator.add_argument("--shard", type=_shard, metavar="I/S",
-                             help="be shard I (from 0) of a parameter server of S shards, "
-                                  "owning a range of the parameters; start every shard with "
-                                  "the same options, and give workers every shard's address "
-                                  "in order: --connect ADDR0,ADDR1,...")
-
-    worker = commands.add_parser("worker", help="one worker")
-    common(worker)
-    worker.add_argument("--connect",
-                        help="the coordinator's tcp://HOST:PORT; for a sharded parameter "
-                             "server, every shard's, in shard order, separated by commas "
-                             "(default: from MASTER_ADDR or SLURM_JOB_NODELIST, see --port)")
-    worker.add_argument("--rank", type=int,
-                        help="rank to ask for (default: RANK, OMPI_COMM_WORLD_RANK or "
-                             "SLURM_PROCID, the first set; else any free rank)")
-    worker.add_argument("--port", type=int,
-                        help="with no --connect: the coordinator's port, its host being "
-                             "MASTER_ADDR or the first of SLURM_JOB_NODELIST (default: "
-                             f"MASTER_PORT, else {cluster.DEFAULT_PORT})")
-    worker.add_argument("--workers-per-node", type=int, metavar="G",
-                        help="start G worker processes here, ranks NODE_RANK*G to "
-                             "NODE_RANK*G+G-1, each with LOCAL_RANK set; this process waits "
-                             "for them all")
-    worker.add_argument("--node-rank", type=int, metavar="N",
-                        help="with --workers-per-node: this node's index (default: "
-                             "GROUP_RANK, else SLURM_NODEID, else 0)")
-    worker.add_argument("--device", default="auto",
-                        help="auto (GPU LOCAL_RANK where CUDA is present, else the CPU), cpu, "
-                             "cuda (GPU LOCAL_RANK) or cuda:N (default auto)")
-    worker.add_argument("--join-timeout", type=float, default=300.0,
-                        help="keep trying to join this long, in seconds (default 300)")
-    worker.add_argument("--keys", type=Path, metavar="DIR",
-                        help="CURVE: DIR holds coordinator.key and this worker's NAME.key_secret")
-    shared_memory(worker)
-    worker.add_argument("--key-name", default="worker", metavar="NAME",
-                        help="which key pair of DIR is this worker's (default: worker)")
-    worker.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="after losing the coordinator, keep trying to join again this "
-                             "long (default 60)")
-    worker.add_argument("--fault", action="append", default=[], metavar="KIND:N",
-                        help="inject a fault (repeatable): slow:MS or crash:STEP")
-    relay = commands.add_parser("relay", help="a relay: coordinator to local workers, worker "
-                                              "of a root coordinator (hierarchical averaging)")
-    common(relay)
-    shared_memory(relay)
-    relay.add_argument("--connect", required=True, help="the root coordinator's tcp://HOST:PORT")
-    relay.add_argument("--bind", required=True, help="tcp://HOST:PORT for the local workers")
-    relay.add_argument("--pub-port", type=int, help="broadcast port (default PORT+1)")
-    relay.add_argument("--workers", type=int, required=True, help="local workers to serve")
-    relay.add_argument("--strategy", choices=("sync", "average"), default="sync",
-                       help="how the local workers' updates are reduced before they go to "
-                            "the root: sync under a sync, ssp or async root; average under "
-                            "an average root (default sync)")
-    relay.add_argument("--average-every", type=int, metavar="H",
-                       help="average: the local steps between averages (the root's H)")
-    relay.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
-    relay.add_argument("--timeout", type=float, default=10.0, help="remove a worker silent this long")
-    relay.add_argument("--join-timeout", type=float, default=300.0,
-                       help="wait this long for the root and the workers, in seconds "
-                            "(default 300)")
-    relay.add_argument("--keys", type=Path, metavar="DIR",
-                       help="CURVE on both sides: DIR holds this relay's coordinator pair and "
-                            "authorized/ (for its workers) and its NAME.key_secret and the "
-                            "root's coordinator.key (for the root)")
-    relay.add_argument("--key-name", default="worker", metavar="NAME",
-                       help="which key pair of DIR the relay shows the root (default: worker)")
-    relay.add_argument("--insecure", action="store_true",
-                       help="allow a non-loopback --bind without keys")
-
-    keys = commands.add_parser("keys", help="make CURVE key pairs for --keys")
-    keys.add_argument("directory", type=Path, metavar="DIR")
-    keys.add_argument("--worker", action="append", metavar="NAME",
-                      help="a worker key pair to make and authorize (repeatable; default: worker)")
-    keys.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
-    keys.add_argument("--debug", action="store_true", help="print the traceback of an error")
-    keys.set_defaults(threads=None)  # no torch work: main() finds the setting unset
-
-    plot = commands.add_parser("plot", help="plot the --metrics files of runs into a PNG")
-    plot.add_argument("metrics", type=Path, nargs="+", metavar="METRICS.jsonl")
-    plot.add_argument("-o", "--output", type=Path, required=True, metavar="FILE.png")
-    plot.add_argument("--label", action="append", metavar="NAME",
-                      help="a run's name in the legend, one per file in order (default: "
-                           "the file's name)")
-    plot.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
-    plot.add_argument("--debug", action="store_true", help="print the traceback of an error")
-    plot.set_defaults(threads=None)
-    return parser
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Usage errors in one line, like every other error, pointing at --help."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

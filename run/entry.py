@@ -1,7 +1,9 @@
 """The `tensorbus` command's entry point (and `python -m tensorbus`'s).
 
-Importing torch and the rest of the CLI takes a second or two; an interrupt (Ctrl-C) in that
-time ends like one at any later point: one line, exit status 130 (see `run.cli`).
+The command line is parsed first, with nothing heavy imported (run.flags): a mistyped
+option is answered at once. Importing torch and the rest of the CLI then takes a second or
+two; an interrupt (Ctrl-C) in that time ends like one at any later point: one line, exit
+status 130 (see `run.cli`).
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ import sys
 def main() -> int:
     import signal
 
-    from tensorbus.run import interrupts
+    from tensorbus.run import flags, interrupts
 
     interrupts.note()
     # A request for the status table (run.status) that comes before it listens, or after,
     # is let pass, not fatal (SIGUSR1's default ends the process).
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    args = flags.parser().parse_args()
     try:
-        from tensorbus.run.cli import main as cli
+        from tensorbus.run.cli import run
     except KeyboardInterrupt:
         _interrupted()
     if interrupts.noted():  # swallowed by a library while it imported: it may be half made
         _interrupted()
-    return cli()
+    return run(args)
 
 
 def _interrupted() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from cluster import LIVENESS, ROOT, Cluster
 
-from tensorbus.run import cli
+from tensorbus.run import cli, flags
 from tensorbus.run.cluster import (
     DEFAULT_PORT,
     Placement,
@@ -290,7 +290,7 @@ def test_the_slurm_script_is_valid_bash_and_uses_real_options() -> None:
     commands = _tensorbus_commands(SLURM_SCRIPT.read_text())
     assert sorted(c[0] for c in commands) == ["coordinator", "keys", "worker"]
     for command in commands:
-        cli._parser().parse_args(command)  # an unknown option exits: the test fails
+        flags.parser().parse_args(command)  # an unknown option exits: the test fails
     worker = next(c for c in commands if c[0] == "worker")
     assert "--workers-per-node" in worker and "--connect" not in worker
 

@@ -83,18 +83,28 @@ def test_a_wrong_combination_of_flags(args: list[str], line: str) -> None:
     assert _one_line(done) == line
 
 
-def test_an_address_in_use() -> None:
-    with socket.socket() as taken:
+def test_an_address_in_use_names_the_port_taken() -> None:
+    with socket.socket() as taken, socket.socket() as free:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         done = _tensorbus("coordinator", DIGITS, "--bind", f"tcp://127.0.0.1:{port}",
                           "--workers", "1")
-    assert done.returncode == 1
-    assert _one_line(done) == (
-        f"tensorbus: error: cannot bind tcp://127.0.0.1:{port} or its broadcast port (Address "
-        "already in use); the broadcast port is PORT+1 unless --pub-port says otherwise: stop "
-        "what holds them, or choose other ports")
+        assert done.returncode == 1
+        assert _one_line(done) == (
+            f"tensorbus: error: cannot bind the request port, tcp://127.0.0.1:{port} (Address "
+            "already in use): stop what holds it (a coordinator still running?), or choose "
+            "another port")
+        free.bind(("127.0.0.1", 0))
+        request = free.getsockname()[1]
+        free.close()  # (free again, for the coordinator; its broadcast port is taken)
+        done = _tensorbus("coordinator", DIGITS, "--bind", f"tcp://127.0.0.1:{request}",
+                          "--pub-port", str(port), "--workers", "1")
+        assert done.returncode == 1
+        assert _one_line(done) == (
+            f"tensorbus: error: cannot bind the broadcast port, tcp://127.0.0.1:{port} (Address "
+            "already in use), which is the request port + 1 unless --pub-port says otherwise: "
+            "stop what holds it, or give another --pub-port")
 
 
 def test_workers_that_never_join() -> None:
@@ -446,3 +456,29 @@ def test_an_error_in_the_specs_code_offers_its_traceback(tmp_path: Path) -> None
     done = _tensorbus("coordinator", str(spec), "--bind", "tcp://127.0.0.1:0", "--workers", "1",
                       "--debug")
     assert done.returncode == 2 and "in model\n" in done.stderr and "return 1 / 0" in done.stderr
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["local", "s.py", "--workers", "2", "--stratgy", "sync"],
+     "tensorbus: error: unrecognized arguments: --stratgy sync; did you mean --strategy? (see "
+     "tensorbus --help)"),
+    (["local", "s.py", "--workers", "2", "--strategy", "synk"],
+     "tensorbus local: error: argument --strategy: invalid choice: 'synk' (choose from 'async', "
+     "'average', 'ssp', 'sync'); did you mean sync? (see tensorbus local --help)"),
+    # Never abbreviated: --worker is not taken for --workers.
+    (["local", "s.py", "--worker", "2"],
+     "tensorbus local: error: the following arguments are required: --workers (see tensorbus "
+     "local --help)"),
+], ids=["typo", "choice", "no-abbreviation"])
+def test_an_argument_error_comes_at_once_with_what_was_meant(args: list[str], line: str) -> None:
+    """Parsed before torch is imported: the answer takes a fraction of a second."""
+    probe = ("import sys, time\nfrom tensorbus.run import entry\nsys.argv = ['tensorbus', *sys.argv[1:]]\n"
+             "started = time.monotonic()\n"
+             "try:\n    entry.main()\nexcept SystemExit as e:\n"
+             "    print(e.code, 'torch' in sys.modules, time.monotonic() - started)\n")
+    done = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=30, check=False)
+    code, torch_imported, seconds = done.stdout.split()
+    assert (code, torch_imported) == ("2", "False")
+    assert float(seconds) < 0.5
+    assert _one_line(done) == line

@@ -1,0 +1,26 @@
+"""The wire protocol's version and this release's name: what every node of a run must share.
+
+Apart from the messages (`bus.messages`), so that the command line can say them without
+importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Final
+
+# 2: pushes carry telemetry, acks the time held; 3: chunked tensors; 4: Changes;
+# 5: tensors by reference (bus.shared) and the Welcome's offer of them; 6: broadcasts
+# under a topic frame, a version's weights by reference too (Weights.generation); 7: segment
+# names carry their creator's start time (bus.shared.sweep)
+PROTOCOL_VERSION: Final = 7
+
+
+def _build() -> str:
+    try:
+        return importlib.metadata.version("tensorbus")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+BUILD: Final = _build()  # this release, sent on join so that mismatched builds are named
