@@ -557,6 +557,9 @@ class Link:
                 case Stop():
                     self._stopped_by(message)
                     self._newer.set()
+                    # At once, whatever the worker is doing (loading its data, say): not at
+                    # its next request, which may be long in coming.
+                    self._owner.end_session(Stopped())
             # Let go of the frames now, not when the next broadcast comes: sent in-process,
             # they are the coordinator's snapshot, which it may not reuse while we hold it.
             del frames, message

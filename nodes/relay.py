@@ -135,7 +135,10 @@ class Relay(Coordinator):
             await link.close()
 
     def end_session(self, why: Exception) -> None:
-        """The root is lost or has removed us (called by the upstream link)."""
+        """The root is lost or has removed us (called by the upstream link). A root that
+        stopped is seen by _follow, through the link's `stopped`."""
+        if isinstance(why, Stopped):
+            return
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(why)
 

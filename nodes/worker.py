@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
 import functools
 import logging
 import math
@@ -42,6 +41,7 @@ from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
 from tensorbus.bus.shared import Arena, Probe, Ref, Shelf, sweep
 from tensorbus.bus.transport import Hub
+from tensorbus.nodes.compute import ComputeThread
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.handover import Handover
@@ -151,9 +151,14 @@ class Worker:
         self._again: tuple[torch.Tensor, torch.Tensor] | None = None  # the batch to redo
         self._running: asyncio.Task[Any] | None = None  # the task in run(), for request_stop
         # Steps are computed on one thread of their own, a run's (torch keeps per-thread
-        # state, such as grad mode, and one step runs at a time).
-        self._compute_thread = concurrent.futures.ThreadPoolExecutor(1)
+        # state, such as grad mode, and one step runs at a time): nodes.compute.
+        self._compute_thread = ComputeThread("tensorbus-compute")
         self.stopped_by: str | None = None  # why request_stop ended the run, once it did
+
+    @property
+    def name(self) -> str:
+        """How logs and messages name this worker: by its rank, once it has one."""
+        return f"worker {self.rank}" if self.rank >= 0 else "a worker with no rank yet"
 
     @property
     def version(self) -> int:
@@ -170,8 +175,7 @@ class Worker:
 
     async def run(self) -> WorkerReport:
         self._running = asyncio.current_task()
-        self._compute_thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"tensorbus-compute-{self.rank}")
+        self._compute_thread = ComputeThread(f"tensorbus-compute-{self.rank}")
         for link in self.links:
             link.open()
         try:
@@ -194,7 +198,7 @@ class Worker:
             await self._leave("error", str(e))
             raise
         finally:
-            self._compute_thread.shutdown(wait=False, cancel_futures=True)
+            self._compute_thread.shutdown()
             self._off_set()
             for link in self.links:
                 await link.close()
@@ -253,10 +257,11 @@ class Worker:
     def _off_loop(self, work: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
         """`work(*args)` on the compute thread, so that heartbeats go on meanwhile. (Not the
         loop's default executor: closing the loop waits for its threads, with no deadline.)"""
-        return asyncio.get_running_loop().run_in_executor(
-            self._compute_thread, contextvars.copy_context().run, work, *args)
+        return asyncio.wrap_future(self._compute_thread.submit(work, *args))
 
     def end_session(self, why: Exception) -> None:
+        if isinstance(why, Stopped) and not all(link.stopped for link in self.links):
+            return  # (a shard that stopped before the others: theirs are yet to come)
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(why)
 
@@ -857,7 +862,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _in_thread(loop: asyncio.AbstractEventLoop, thread: concurrent.futures.Executor,
+def _in_thread(loop: asyncio.AbstractEventLoop, thread: ComputeThread,
                work: Callable[[], _T]) -> tuple[asyncio.Future[_T], asyncio.Future[None]]:
     """Run `work` on `thread`: its result, and a future done once `work` can no longer touch
     anything, which cancelling the first does not change (a running thread cannot be
@@ -865,7 +870,7 @@ def _in_thread(loop: asyncio.AbstractEventLoop, thread: concurrent.futures.Execu
     returns or raises, and also when it is cancelled before it began: a future resolved
     from inside `work` would never be, had `work` never run."""
     ended = loop.create_future()
-    job = thread.submit(contextvars.copy_context().run, work)
+    job = thread.submit(work)
 
     def over(_: concurrent.futures.Future[_T]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
