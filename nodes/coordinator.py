@@ -338,6 +338,11 @@ class Coordinator:
             except BaseException:
                 self.metrics.close()
                 raise
+        if self.metrics.trained_from is None and self.metrics.stopped_by is not None:
+            # Stopped (Ctrl-C, say) before training began: nothing of this run to score.
+            summary = self.metrics.summary({})
+            self.metrics.close(summary)
+            return summary
         try:
             self._evals.evaluate(self.master, self.metrics)
             evaluation = (figures(self._evaluate, self.model, taken=self.metrics.summary({}))
@@ -383,6 +388,8 @@ class Coordinator:
             return
         self._stop_requested = why
         self._stop_quietly = quiet
+        if not quiet:
+            self.metrics.stopped_by = why
         if at_version is not None and at_version > self.version:
             log.warning("stop requested (%s): training on to version %d, then stopping",
                         why, at_version)
@@ -395,7 +402,9 @@ class Coordinator:
     def _stop_now(self, why: str) -> None:
         self._stop_at = None
         log.log(logging.INFO if self._stop_quietly else logging.WARNING,
-                "stop requested (%s): finishing the update in flight", why)
+                "stop requested (%s): %s", why,
+                "finishing the update in flight" if self.metrics.trained_from is not None
+                else "stopping before training began")
         task = asyncio.get_running_loop().create_task(self._guard(self._graceful_stop(why)))
         self._background = task  # a reference, so that the task is not collected
 
@@ -916,6 +925,7 @@ class Coordinator:
         self.watch.span("checkpoint", wall, version=self.version)
         self.metrics.write("checkpoint", version=self.version, path=str(path),
                            seconds=round(time.monotonic() - started, 6))
+        self.metrics.checkpoint = str(path)
         log.info("checkpoint of version %d written to %s", self.version, path)
 
     def _resume(self) -> None:

@@ -51,6 +51,8 @@ class Metrics:
         self.trained_until: float | None = None  # when the stop began
         self.ended = ""  # why training ended
         self.resumed_from: int | None = None  # the checkpoint's version, in a resumed run
+        self.stopped_by: str | None = None  # what asked for the stop before the end (a signal)
+        self.checkpoint: str | None = None  # the last checkpoint written
 
     def worker(self, rank: int) -> dict[str, float]:
         """The counters of one worker, made on first use."""
@@ -117,6 +119,8 @@ class Metrics:
             "lost": self.lost,
             "ended": self.ended,
             "resumed_from": self.resumed_from,
+            "stopped_by": self.stopped_by,
+            "checkpoint": self.checkpoint,
             "per_worker": {
                 str(rank): {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
                 for rank, c in sorted(self.per_worker.items())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -32,16 +33,20 @@ from tensorbus.nodes.metrics import MetricsError
 from tensorbus.nodes.relay import Relay
 from tensorbus.nodes.worker import ComputeError, DataError, Worker
 from tensorbus.run import cluster, device, flags, interrupts
+from tensorbus.run import summary as run_summary
 from tensorbus.run.faults import parse_worker
 from tensorbus.run.local import LocalRunError, launch_local
 from tensorbus.run.memory import keep_freed_memory
 from tensorbus.run.options import RunOptions, make_coordinator
 from tensorbus.run.pernode import launch_node
-from tensorbus.run.progress import ProgressLine
+from tensorbus.run.progress import CurrentStderr, ProgressLine
 from tensorbus.run.signals import die_of, stopping_on_signals
 from tensorbus.run.spec import SpecError, load_spec, said
 from tensorbus.run.status import StatusTable
 from tensorbus.strategies import STRATEGIES
+
+
+DONE = "worker {rank} done: "  # how a worker's last line begins when it ends well
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s {args.command} %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
-        stream=sys.stderr,
+        stream=CurrentStderr(),  # (above the progress line, where one is drawn)
     )
     error_prefix = "error: " if args.command == "worker" else "tensorbus: error: "
     if args.threads is not None:
@@ -103,16 +108,16 @@ _OURS = (SpecError, TrainingError, PeerTimeoutError, RejectedError, HandshakeErr
 def _local(args: argparse.Namespace) -> int:
     progress = ProgressLine(sys.stderr) if not args.no_progress else None
     try:
-        summary = launch_local(
-            args.spec, _run_options(args), on_step=progress, threads=args.threads,
-            log_level=args.log_level, status=StatusTable(sys.stderr, every_s=args.status),
-            debug=args.debug, device=args.device, fork=True,
-        )
+        with progress.above() if progress else contextlib.nullcontext():
+            summary = launch_local(
+                args.spec, _run_options(args), on_step=progress, threads=args.threads,
+                log_level=args.log_level, status=StatusTable(sys.stderr, every_s=args.status),
+                debug=args.debug, device=args.device, fork=True,
+            )
     finally:
         if progress:
             progress.close()
-    _print_summary(summary)
-    return 0
+    return _ended(args, summary)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -125,14 +130,14 @@ def _coordinator(args: argparse.Namespace) -> int:
                                    pub_port=args.pub_port, on_step=progress, shard=shard)
     status = StatusTable(sys.stderr, every_s=args.status)
     try:
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        with (progress.above() if progress else contextlib.nullcontext(),
+              asyncio.Runner(loop_factory=new_event_loop) as runner):
             summary = runner.run(stopping_on_signals(
                 coordinator, status.around(coordinator, coordinator.run())))
     finally:
         if progress:
             progress.close()
-    _print_summary(summary)
-    return 0
+    return _ended(args, summary)
 
 
 def _relay(args: argparse.Namespace) -> int:
@@ -155,8 +160,7 @@ def _relay(args: argparse.Namespace) -> int:
                   keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         summary = runner.run(stopping_on_signals(relay, relay.run()))
-    _print_summary(summary)
-    return 0
+    return _ended(args, summary)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -183,13 +187,17 @@ def _worker(args: argparse.Namespace) -> int:
         if worker.stopped_by is None:
             raise
         # Left the run and let go of its shared memory: now die of the signal, as asked.
-        print(f"worker {worker.rank} left the run on {worker.stopped_by}", file=sys.stderr, flush=True)
+        print(f"{worker.name} left the run on {worker.stopped_by}", file=sys.stderr, flush=True)
         die_of(signal.Signals[worker.stopped_by])
         raise
+    # Said whatever the log level: a worker started by hand that succeeds says so.
+    loss = f"{report.last_loss:.4f}" if report.last_loss is not None else "-"
+    print(f"{DONE.format(rank=report.rank)}{report.pushes} pushes, final version "
+          f"{report.final_version}, last loss {loss}", file=sys.stderr, flush=True)
     logging.getLogger("tensorbus.worker").info(
-        "worker %d done: %d pushes, last loss %s, %d versions loaded by reference (%d torn), "
-        "%d computes done again (their weights rewritten meanwhile)", report.rank,
-        report.pushes, report.last_loss, report.by_reference, report.torn, report.redone)
+        "worker %d: %d versions loaded by reference (%d torn), %d computes done again "
+        "(their weights rewritten meanwhile)", report.rank, report.by_reference, report.torn,
+        report.redone)
     return 0
 
 
@@ -290,5 +298,15 @@ def _refuse_public_bind(args: argparse.Namespace) -> None:
             "DIR` and pass --keys DIR, or pass --insecure to accept that")
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
-    print(json.dumps(summary, indent=1), flush=True)
+def _ended(args: argparse.Namespace, summary: dict[str, Any]) -> int:
+    """Say how the run ended: its main figures (or, with --json, the whole summary); for a
+    run a signal stopped, what was saved, and then die of that signal, as asked."""
+    if args.json:
+        print(json.dumps(summary, indent=1), flush=True)
+    else:
+        print(run_summary.table(summary, getattr(args, "metrics", None)), flush=True)
+    stopped = run_summary.stopped_by(summary)
+    if stopped is not None:
+        print(f"tensorbus: {run_summary.after_a_signal(summary)}", file=sys.stderr, flush=True)
+        die_of(stopped)
+    return 0

@@ -161,6 +161,7 @@ def parser() -> OneLineParser:
                  "coordinator.key (for the root)")
     _key_name(relay, "which key pair of DIR the relay shows the root (default: worker)")
     _serving(relay)
+    _json(relay)
 
     keys = commands.add_parser("keys", help="make CURVE key pairs for --keys")
     keys.add_argument("directory", type=Path, metavar="DIR")
@@ -189,6 +190,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="a SPEC: a Python file or module:object")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
     _logging(p)
+
+
+def _json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print the whole summary as JSON on stdout when the run ends, in "
+                        "place of its main figures (for scripts; --metrics keeps it too)")
 
 
 def _shared_memory(p: argparse.ArgumentParser) -> None:
@@ -248,6 +255,7 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
     p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
     _liveness(p, "wait this long for workers, in seconds (default 300)")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
+    _json(p)
     p.add_argument("--status", type=float, nargs="?", const=5.0, metavar="SECONDS",
                    help="print the per-worker status table every SECONDS (default 5); "
                         "it is also printed on SIGUSR1, or Enter on a terminal")

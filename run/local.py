@@ -201,6 +201,8 @@ async def _relay(
             last_error = line[len(ERROR_PREFIX):]
             continue
         tail = (tail + [line])[-5:]
+        if line.startswith(f"worker {rank} done: "):
+            continue  # (its end, which the run's summary says for every worker)
         if not failure.done():
             print(f"[worker {rank}] {line}", file=sys.stderr, flush=True)
     code = await process.wait()

@@ -1,10 +1,18 @@
-"""The progress line of `local` and `coordinator`: a bar on a terminal, log lines otherwise."""
+"""The progress line of `local` and `coordinator`: a bar on a terminal, log lines otherwise.
+
+On a terminal the bar is redrawn in place, on a line of its own; whatever else is written
+to stderr meanwhile (log lines, a worker's relayed output) goes through `above`, which
+clears the bar first, so that no line is glued to it: the next step draws it again.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import time
-from typing import TextIO
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 from tensorbus.nodes.coordinator import Progress
 
@@ -53,6 +61,51 @@ class ProgressLine:
             self._stream.write("\n")
             self._stream.flush()
             self._shown = False
+
+    def clear(self) -> None:
+        """Take the bar off the terminal: something else is about to be written there."""
+        if self._shown:
+            self._stream.write("\r\x1b[K")
+            self._shown = False
+
+    @contextlib.contextmanager
+    def above(self) -> Iterator[None]:
+        """For the block, writes to sys.stderr clear the bar first (on a terminal)."""
+        if not self._tty:
+            yield
+            return
+        before = sys.stderr
+        sys.stderr = _Above(before, self)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            sys.stderr = before
+
+
+class _Above:
+    """A stream whose writes clear the progress line first."""
+
+    def __init__(self, stream: TextIO, line: ProgressLine) -> None:
+        self._stream, self._line = stream, line
+
+    def write(self, text: str) -> int:
+        if text:
+            self._line.clear()
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
+class CurrentStderr:
+    """sys.stderr as it is when written to, for a logging handler made before the progress
+    line stands in for it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def _clock(seconds: float) -> str:

@@ -1,0 +1,55 @@
+"""What `local`, `coordinator` and `relay` print when a run ends: a few lines of its main
+figures (the whole summary is the last line of --metrics, and `--json` prints it instead),
+and, for a run stopped by a signal, what was saved and how to go on."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+# The summary's own fields (nodes.metrics); any other name is a figure of evaluate()'s.
+_FIELDS = {"event", "strategy", "workers", "steps", "samples", "wall_s", "train_s",
+           "final_loss", "dropped", "rejected", "max_staleness", "max_clock_gap", "broadcasts",
+           "lost", "ended", "resumed_from", "stopped_by", "checkpoint", "per_worker"}
+
+
+def table(summary: dict[str, Any], metrics: Path | None) -> str:
+    """The summary's main figures, a few short lines."""
+    loss = summary.get("final_loss")
+    lines = [
+        f"{summary['strategy']}, {summary['workers']} workers: {summary['steps']} versions, "
+        f"{summary['samples']} samples in {summary['train_s']:.1f} s of training "
+        f"({summary['wall_s']:.1f} s in all)",
+        f"  final loss   {loss:.4f}" if isinstance(loss, float) else "  final loss   -",
+    ]
+    figures = {k: v for k, v in summary.items() if k not in _FIELDS}
+    for name, value in figures.items():
+        lines.append(f"  {name:<12} {value:.4f}" if isinstance(value, float)
+                     else f"  {name:<12} {value}")
+    dropped = ", ".join(f"{n} {why}" for why, n in summary["dropped"].items() if n) or "none"
+    lost = ", ".join(f"worker {w['rank']}" for w in summary["lost"]) or "none"
+    lines.append(f"  dropped      {dropped}")
+    lines.append(f"  lost         {lost}")
+    if summary.get("max_clock_gap"):
+        lines.append(f"  staleness    at most {summary['max_staleness']} versions, clocks at "
+                     f"most {summary['max_clock_gap']} apart")
+    lines.append(f"  ended        {summary['ended'] or '-'}")
+    lines.append(f"  every step and the whole summary: {metrics}" if metrics is not None
+                 else "  (--metrics FILE.jsonl keeps every step and the whole summary)")
+    return "\n".join(lines)
+
+
+def stopped_by(summary: dict[str, Any]) -> signal.Signals | None:
+    """The signal that stopped the run before its end, if one did."""
+    name = summary.get("stopped_by")
+    return signal.Signals[name] if isinstance(name, str) and name in signal.Signals.__members__ \
+        else None
+
+
+def after_a_signal(summary: dict[str, Any]) -> str:
+    """One line for a run a signal stopped: where it stopped, what was saved, how to go on."""
+    where = (f"checkpoint {summary['checkpoint']}: run the same command with --resume to "
+             "go on" if summary.get("checkpoint") else
+             "nothing was saved (--checkpoint-dir DIR keeps a run's state)")
+    return f"stopped by {summary['stopped_by']} at version {summary['steps']}: {where}"
