@@ -1,9 +1,15 @@
-"""Shared test set-up: one torch thread per process (the CI machine has 2 cores), and a
-check that the suite leaves no shared-memory segment behind (bus.shared): a file whose
-creator is gone would stay in /dev/shm until the machine restarts, or the next sweep.
+"""Shared test set-up.
 
-Only segments of processes that are gone count, and only those made during the session:
-a training run of the user's beside the suite (its creators alive) is not the suite's."""
+- The layers: a test's folder is its marker (unit: no sockets, no processes; integration:
+  one event loop, real ZeroMQ on loopback; system: real processes; gpu: needs a GPU), and
+  `@pytest.mark.system` marks a test that starts processes in another folder. A unit or
+  integration test has at most UNIT_TIMEOUT_S.
+- One torch thread per process (the CI machine has 2 cores).
+- A check that the suite leaves no shared-memory segment behind (bus.shared): a file whose
+  creator is gone would stay in /dev/shm until the next sweep. Only segments of processes
+  that are gone count, and only those made during the session: a training run of the
+  user's beside the suite (its creators alive) is not the suite's.
+"""
 
 import gc
 import time
@@ -15,6 +21,21 @@ import torch
 from tensorbus.bus.shared import creator_alive
 
 torch.set_num_threads(1)
+
+LAYERS = ("unit", "integration", "system", "gpu")
+UNIT_TIMEOUT_S = 30
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        layer = item.path.parent.name
+        if layer not in LAYERS or item.get_closest_marker("system") is not None:
+            continue
+        item.add_marker(getattr(pytest.mark, layer))
+        if layer in ("unit", "integration"):
+            own = item.get_closest_marker("timeout")
+            if own is None or own.args[0] > UNIT_TIMEOUT_S:
+                item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S), append=False)
 
 _SHM = Path("/dev/shm")
 _before: set[Path] = set()

@@ -13,15 +13,15 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zygote
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
 FAST = ["--threads", "1", "--no-progress", "--heartbeat", "0.2", "--timeout", "5"]
 BASE_MS, STRAGGLER_MS = 30, 150  # every worker's step; the straggler's extra
@@ -36,8 +36,8 @@ def _local(tmp_path: Path, *args: str, workers: int, straggler: int | None = Non
     faults = [f"--fault=slow:{r}:{base_ms}" for r in range(workers) if base_ms]
     if straggler is not None:
         faults.append(f"--fault=slow:{straggler}:{STRAGGLER_MS}")
-    done = subprocess.run(
-        [sys.executable, "-m", "tensorbus", "local", str(spec), "--workers", str(workers), *FAST,
+    done = zygote.shared().run(
+        ["local", str(spec), "--workers", str(workers), *FAST,
          "--metrics", str(metrics), *faults, *args],
         cwd=ROOT, capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL, check=False,
     )
@@ -123,8 +123,8 @@ def test_a_crash_below_the_minimum_ends_the_run_at_the_version_it_came(tmp_path:
     training on with too few workers (the checkpoint would hold those versions)."""
     spec, checkpoints = tmp_path / "digits.py", tmp_path / "ck"
     shutil.copy(DIGITS, spec)
-    done = subprocess.run(
-        [sys.executable, "-m", "tensorbus", "local", str(spec), "--workers", "3", "--min-workers", "3",
+    done = zygote.shared().run(
+        ["local", str(spec), "--workers", "3", "--min-workers", "3",
          "--threads", "1", "--no-progress", "--heartbeat", "2", "--steps", "100000",
          "--fault=crash:2:10", "--checkpoint-dir", str(checkpoints)],
         cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)

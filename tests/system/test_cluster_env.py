@@ -16,14 +16,15 @@ import re
 import shlex
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zygote
 from cluster import LIVENESS, ROOT, Cluster
+from zygote import Forked
 
 from tensorbus.run import cli, flags
 from tensorbus.run.cluster import (
@@ -301,10 +302,10 @@ class EnvCluster(Cluster):
     """`Cluster`, with processes started in an environment of the test's choosing."""
 
     def start_in(self, log: str, environ: Mapping[str, str],
-                 *args: str) -> subprocess.Popen[str]:
+                 *args: str) -> Forked:
         with (self.tmp / log).open("a") as stderr:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "tensorbus", *args], cwd=ROOT, text=True, env=dict(environ),
+            process = zygote.shared().popen(
+                [*args], cwd=ROOT, text=True, env=dict(environ),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
             )
         self._all.append(process)
@@ -313,11 +314,11 @@ class EnvCluster(Cluster):
     def coordinator_in(self, environ: Mapping[str, str], *args: str) -> None:
         self.coordinator = self.start_in(
             "coordinator.log", environ, "coordinator", str(self.spec), "--bind", self.endpoint,
-            "--pub-port", str(self.pub_port), "--no-progress", "--metrics", str(self.metrics),
+            "--pub-port", str(self.pub_port), "--no-progress", "--json", "--metrics", str(self.metrics),
             "--steps", "5", "--batch-size", "16", "--max-workers", "4", *LIVENESS,
             "--threads", "1", *args)
 
-    def worker_in(self, log: str, environ: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
+    def worker_in(self, log: str, environ: Mapping[str, str], *args: str) -> Forked:
         return self.start_in(log, environ, "worker", str(self.spec), "--threads", "1",
                              "--log-level", "info", *args)
 
@@ -325,7 +326,7 @@ class EnvCluster(Cluster):
         return (self.tmp / name).read_text()
 
 
-def _trained(c: EnvCluster, workers: list[subprocess.Popen[str]]) -> dict[str, Any]:
+def _trained(c: EnvCluster, workers: list[Forked]) -> dict[str, Any]:
     summary, _ = c.finish(timeout=40)
     for worker in workers:
         assert worker.wait(timeout=20) == 0, c.logs()
@@ -380,8 +381,8 @@ def test_a_node_whose_workers_fail_fails(tmp_path: Path) -> None:
     """No coordinator: both workers give up after --join-timeout; the node says so in one
     line, the first failure's, and exits 1 (not 0, as if its workers had trained)."""
     with _free_listener() as port:  # nothing will answer on it
-        done = subprocess.run(
-            [sys.executable, "-m", "tensorbus", "worker", str(ROOT / "examples" / "digits.py"),
+        done = zygote.shared().run(
+            ["worker", str(ROOT / "examples" / "digits.py"),
              "--workers-per-node", "2", "--connect", f"tcp://127.0.0.1:{port}",
              "--join-timeout", "1", "--threads", "1"],
             cwd=ROOT, env=_clean(), capture_output=True, text=True, timeout=35,

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from cluster import free_ports
 from equivalence import BATCH, digits, initial, max_difference, sgd
+from zygote import Forked
 
 from tensorbus.bus.errors import RejectedError
 from tensorbus.nodes import (
@@ -29,7 +30,7 @@ from tensorbus.strategies import Async, PeriodicAveraging, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
 
 
@@ -143,18 +144,17 @@ def _summary(stdout: str) -> dict:
 def test_a_tree_of_processes_trains_to_the_flat_runs_accuracy() -> None:
     """`tensorbus coordinator` as the root, two `tensorbus relay` processes, two `tensorbus
     worker`s under each: the root's evaluation equals `tensorbus local --workers 4`'s."""
-    run = [sys.executable, "-m", "tensorbus"]
     quiet = ["--threads", "1", "--log-level", "error"]
-    flat = subprocess.run([*run, "local", str(DIGITS), "--workers", "4", "--steps", "12",
-                           "--no-progress", *quiet], cwd=ROOT, capture_output=True, text=True,
+    flat = zygote.shared().run(["local", str(DIGITS), "--workers", "4", "--steps", "12",
+                           "--no-progress", "--json", *quiet], cwd=ROOT, capture_output=True, text=True,
                           timeout=100, check=False)
     assert flat.returncode == 0, flat.stderr
     ports = free_ports(6)
     root_at, relays_at = f"tcp://127.0.0.1:{ports[0]}", [f"tcp://127.0.0.1:{p}" for p in ports[2::2]]
-    processes: list[subprocess.Popen[str]] = []
+    processes: list[Forked] = []
 
-    def start(*args: str) -> subprocess.Popen[str]:
-        process = subprocess.Popen([*run, *args, *quiet], cwd=ROOT, text=True,
+    def start(*args: str) -> Forked:
+        process = zygote.shared().popen([*args, *quiet], cwd=ROOT, text=True,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE)
         processes.append(process)
@@ -162,7 +162,7 @@ def test_a_tree_of_processes_trains_to_the_flat_runs_accuracy() -> None:
 
     try:
         root = start("coordinator", str(DIGITS), "--bind", root_at, "--pub-port", str(ports[1]),
-                     "--workers", "2", "--steps", "12", "--no-progress")
+                     "--workers", "2", "--steps", "12", "--no-progress", "--json")
         for i, at in enumerate(relays_at):
             start("relay", str(DIGITS), "--connect", root_at, "--bind", at, "--pub-port",
                   str(ports[3 + 2 * i]), "--workers", "2")

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from cluster import free_ports
 from equivalence import BATCH, digits, initial, max_difference, sgd
+from zygote import Forked
 
 from tensorbus.bus.layout import Layout
 from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
@@ -22,7 +24,7 @@ from tensorbus.strategies import Async, PeriodicAveraging, StaleSync, Strategy, 
 
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
 
 
@@ -141,7 +143,7 @@ def _summary(stdout: str) -> dict:
 
 
 RUN = [sys.executable, "-m", "tensorbus"]
-QUIET = ["--threads", "1", "--no-progress"]
+QUIET = ["--threads", "1", "--no-progress", "--json"]
 
 
 @pytest.mark.timeout(120)
@@ -151,8 +153,8 @@ def test_local_with_shards_trains_the_weights_of_one_coordinator() -> None:
     unsharded run's, to the last digit."""
     figures = []
     for extra in ([], ["--shards", "3"]):
-        done = subprocess.run(
-            [*RUN, "local", str(DIGITS), "--workers", "2", "--steps", "15", *QUIET, *extra],
+        done = zygote.shared().run(
+            ["local", str(DIGITS), "--workers", "2", "--steps", "15", *QUIET, *extra],
             cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
         assert done.returncode == 0, done.stderr
         figures.append(_summary(done.stdout))
@@ -168,10 +170,10 @@ def test_shards_started_by_hand(tmp_path: Path) -> None:
     that gives them in the wrong order is refused with what to do."""
     ports = free_ports(4)
     endpoints = [f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[2]}"]
-    processes: list[subprocess.Popen[str]] = []
+    processes: list[Forked] = []
 
-    def start(*args: str) -> subprocess.Popen[str]:
-        process = subprocess.Popen([*RUN, *args, *QUIET[:2]], cwd=ROOT, text=True,
+    def start(*args: str) -> Forked:
+        process = zygote.shared().popen([*args, *QUIET[:2]], cwd=ROOT, text=True,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE)
         processes.append(process)
@@ -180,7 +182,7 @@ def test_shards_started_by_hand(tmp_path: Path) -> None:
     try:
         shards = [start("coordinator", str(DIGITS), "--bind", endpoints[i], "--pub-port",
                         str(ports[2 * i + 1]), "--workers", "2", "--steps", "10", "--shard",
-                        f"{i}/2", "--no-progress", "--join-timeout", "60")
+                        f"{i}/2", "--no-progress", "--json", "--join-timeout", "60")
                   for i in range(2)]
         wrong = start("worker", str(DIGITS), "--connect", f"{endpoints[1]},{endpoints[0]}",
                       "--join-timeout", "20")

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zygote
 
 from tensorbus.run.plot import PlotError, _moving_average, _read, plot
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -277,10 +278,10 @@ def test_the_plot_command_draws_and_says_what_is_wrong_in_one_line(tmp_path: Pat
 
     a = _write(tmp_path / "a.jsonl", _run_records("sync"))
     b = _write(tmp_path / "b.jsonl", _run_records("async", decay=0.2))
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
 
     def tensorbus(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tensorbus", "plot", *args], cwd=root,
+        return zygote.shared().run(["plot", *args], cwd=root,
                               capture_output=True, text=True, timeout=50, check=False)
 
     done = tensorbus(str(a), str(b), "-o", str(tmp_path / "p.png"), "--label", "sync",

@@ -111,6 +111,7 @@ def test_model_that_raises_or_returns_the_wrong_thing(tmp_path: Path) -> None:
         load_spec(path).build_model()
 
 
+@pytest.mark.system  # it starts processes
 def test_the_digits_example_reads_what_load_digits_gives_without_importing_sklearn() -> None:
     """examples/digits.py reads scikit-learn's bundled digits itself (importing
     scikit-learn costs every process of a run about a second): the same arrays as
@@ -123,7 +124,7 @@ def test_the_digits_example_reads_what_load_digits_gives_without_importing_sklea
     probe = ("import hashlib, sys; from examples.digits import _digits; p, l = _digits(); "
              "print(p.dtype, l.dtype, hashlib.sha256(p.tobytes() + l.tobytes()).hexdigest(), "
              "'sklearn' in sys.modules)")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
     digits = load_digits()
@@ -135,7 +136,7 @@ def test_a_module_spec_is_found_in_the_current_folder(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """As `python -m` finds it, where the tensorbus script's folder is first on the path."""
     (tmp_path / "herespec.py").write_text(
-        (Path(__file__).parent.parent / "examples" / "digits.py").read_text())
+        (Path(__file__).resolve().parents[2] / "examples" / "digits.py").read_text())
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "herespec", raising=False)

@@ -78,6 +78,7 @@ def test_a_shelf_reads_the_senders_memory_itself() -> None:
         arena.close()
 
 
+@pytest.mark.system  # it starts processes
 def test_the_receivers_mapping_is_read_only() -> None:
     """A receiver that wrote into a pushed gradient would write the sender's buffer: the
     mapping forbids it (the process dies of SIGSEGV, loudly, rather than corrupt it)."""
@@ -87,7 +88,7 @@ def test_the_receivers_mapping_is_read_only() -> None:
         "view = Shelf().view(arena.locate(g), 64, torch.float32)\n"
         "print('mapped', flush=True)\nview.add_(1.0)\nprint('wrote', flush=True)\n")
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).resolve().parent.parent, check=False)
+                          timeout=60, cwd=Path(__file__).resolve().parents[2], check=False)
     assert "mapped" in done.stdout and "wrote" not in done.stdout
     assert done.returncode == -signal.SIGSEGV
 
@@ -127,6 +128,7 @@ def test_closing_an_arena_unlinks_its_files_and_keeps_its_buffers() -> None:
     assert float(grads.sum()) == 128.0
 
 
+@pytest.mark.system  # it starts processes
 def test_a_killed_creators_segment_is_unlinked_by_the_next_sweep() -> None:
     program = (
         "import os, signal, sys, torch\nfrom tensorbus.bus.shared import Arena\n"

@@ -19,24 +19,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zygote
 from cluster import Cluster
 
 from tensorbus.run import cli
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "examples" / "digits.py")
 
 
 def _tensorbus(*args: str, python: str | None = None,
                timeout: float = 45) -> subprocess.CompletedProcess[str]:
     """`tensorbus ARGS`, or the same after running `python` first (to fake another build)."""
+    if python is None:
+        return zygote.tensorbus(*args, timeout=timeout)
     code = "import sys; from tensorbus.run.cli import main; sys.exit(main(sys.argv[1:]))"
-    command = [sys.executable, "-c", f"{python}; {code}"] if python else [
-        sys.executable, "-m", "tensorbus"]
-    return subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+    return zygote.shared().run(args, code=f"{python}; {code}", capture_output=True, text=True,
+                               timeout=timeout)
 
 
 def _one_line(done: subprocess.CompletedProcess[str]) -> str:

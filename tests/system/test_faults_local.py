@@ -183,7 +183,7 @@ def test_a_coordinator_killed_with_sigkill_resumes_from_its_checkpoint(tmp_path:
     assert all(resumed["per_worker"][str(r)]["joins"] == 1 for r in range(2))
 
 
-def test_sigterm_on_the_coordinator_checkpoints_stops_workers_and_exits_0(tmp_path: Path) -> None:
+def test_sigterm_on_the_coordinator_checkpoints_stops_workers_then_dies_of_it(tmp_path: Path) -> None:
     """Also: the checkpoint's data positions count the batches of the pushes its version
     took, not those of a push held for the next one (worker 0's, mostly, as worker 1 is
     slow), which its worker computes again after a resume."""

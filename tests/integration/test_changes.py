@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+import zygote
 from specs import load_example
 
 from tensorbus.bus.layout import Layout
@@ -43,7 +42,7 @@ from tensorbus.strategies import Async, Sync
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 digits = load_example("digits")
 
 
@@ -333,14 +332,14 @@ def test_async_topk_broadcasts_changes_and_every_worker_ends_with_the_final_weig
 # Multi-process ---------------------------------------------------------------------------
 
 
+@pytest.mark.system  # it starts processes
 def test_local_async_with_topk_trains(tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
-    command = [sys.executable, "-m", "tensorbus", "local", str(ROOT / "examples" / "digits.py"),
+    command = ["local", str(ROOT / "examples" / "digits.py"),
                "--workers", "2", "--strategy", "async", "--compress", "topk:0.05",
                "--steps", "300", "--batch-size", "16", "--lr", "0.1", "--metrics", str(metrics),
                "--threads", "1", "--no-progress", "--heartbeat", "0.2", "--timeout", "5"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=100,
-                            check=False, stdin=subprocess.DEVNULL)
+    result = zygote.tensorbus(*command, timeout=100)
     assert result.returncode == 0, result.stderr
     summary = json.loads(metrics.read_text().splitlines()[-1])
     assert (summary["strategy"], summary["steps"], summary["dropped"]) == ("async", 300, {})

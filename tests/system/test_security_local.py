@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import zygote
 from cluster import ROOT, cluster, version
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _tensorbus(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tensorbus", *args], cwd=ROOT, capture_output=True,
+    return zygote.shared().run([*args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, stdin=subprocess.DEVNULL, check=False)
 
 

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zygote
 from specs import load_example
 
 from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from tensorbus.run.status import StatusTable
 from tensorbus.strategies import Sync
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SLOW_RANK, SLOW_MS = 2, 60
 
 
@@ -37,8 +38,8 @@ def slowed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """3 workers in sync, worker 2 sleeping 60 ms a step; metrics, trace, status every 0.5 s."""
     tmp = tmp_path_factory.mktemp("observe")
     metrics, trace = tmp / "m.jsonl", tmp / "t.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "tensorbus", "local", "examples/digits.py", "--workers", "3",
+    done = zygote.shared().run(
+        ["local", "examples/digits.py", "--workers", "3",
          "--steps", "30", "--threads", "1", "--heartbeat", "0.2", "--no-progress",
          "--fault", f"slow:{SLOW_RANK}:{SLOW_MS}", "--metrics", str(metrics),
          "--trace", str(trace), "--status", "0.5"],
@@ -144,8 +145,8 @@ def test_sigusr1_prints_the_table_during_a_run() -> None:
 def test_sigusr1_while_starting_is_let_pass() -> None:
     """`local` ignores a USR1 that comes while it starts, before the table listens (as it
     does once training is over), where the signal's default would end it."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "tensorbus", "local", str(ROOT / "examples" / "digits.py"),
+    launcher = zygote.shared().popen(
+        ["local", str(ROOT / "examples" / "digits.py"),
          "--workers", "2", "--steps", "5", "--threads", "1", "--no-progress"],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)

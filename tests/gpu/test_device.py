@@ -18,7 +18,7 @@ from tensorbus.nodes.flat import FlatModel
 from tensorbus.run.device import resolve
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="no CUDA device here: the GPU path needs one (torch "
                                  f"{torch.__version__})")

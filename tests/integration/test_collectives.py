@@ -41,7 +41,7 @@ from tensorbus.bus.transport import ZmqClient, new_event_loop
 from tensorbus.nodes import CollectiveMismatchError, Group, GroupFailedError, GroupServer
 from tensorbus.nodes.rendezvous import Rendezvous, tensor_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 10.0  # collectives in tests that are not about deadlines
 
 
@@ -406,6 +406,7 @@ def test_with_curve_keys_only_authorized_ranks_get_in(tmp_path: Path) -> None:
 # Processes -----------------------------------------------------------------------------
 
 
+@pytest.mark.system  # it starts processes
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", [2, 3])
 def test_processes_get_what_gloo_computes_on_the_same_inputs(size: int, tmp_path: Path) -> None:
@@ -442,6 +443,7 @@ def test_processes_get_what_gloo_computes_on_the_same_inputs(size: int, tmp_path
             assert all(torch.equal(a, b) for a, b in zip(ours[kind], first, strict=True))
 
 
+@pytest.mark.system  # it starts processes
 @pytest.mark.timeout(60)
 def test_the_custom_loop_example_ends_with_the_same_weights_on_every_rank() -> None:
     done = subprocess.run(

@@ -55,8 +55,8 @@ class NetCluster(Cluster):
     def start_coordinator(self, *args: str) -> None:
         self.coordinator = self._start_in(
             self.net.coordinator, "coordinator", str(self.spec), "--bind", self.endpoint,
-            "--pub-port", str(self.pub_port), "--no-progress", "--metrics", str(self.metrics),
-            *LIVENESS, *QUIET, *args, log="coordinator.log",
+            "--pub-port", str(self.pub_port), "--no-progress", "--json", "--metrics",
+            str(self.metrics), *LIVENESS, *QUIET, *args, log="coordinator.log",
         )
 
     def start_worker(self, rank: int, *args: str) -> None:

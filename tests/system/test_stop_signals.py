@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import zygote
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "examples" / "digits.py")
 
 pytestmark = pytest.mark.timeout(150)
@@ -120,3 +123,64 @@ def test_a_worker_leaves_at_once_on_a_signal_wherever_it_is(signal_name: str,
             if re.search(rf"WARNING worker [12] .* left \(interrupted: {signal_name}\)$",
                          line.strip())]
     assert len(left) == 2 * tries, report["coordinator"][-20:]
+
+
+def _wait_for_a_step(metrics: Path, process: zygote.Forked, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and '"step"' in metrics.read_text()):
+        assert process.poll() is None and time.monotonic() < deadline, "no step came"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("when", ["training", "before training"])
+def test_ctrl_c_on_local_stops_saves_says_how_to_go_on_and_exits_130(tmp_path: Path,
+                                                                     when: str) -> None:
+    """The first Ctrl-C stops gracefully: the update in flight finished, a checkpoint
+    written, the summary printed; then the launcher says where it stopped, what was saved
+    and how to go on, and dies of SIGINT (a shell's status 130). Before training began
+    there is nothing to evaluate: the initial weights are not scored."""
+    metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ck"
+    spec = tmp_path / "slow_to_load.py"
+    # Before training: rank 1 still loading its data holds the start gate shut.
+    spec.write_text(f"import sys, time\nsys.path.insert(0, {str(Path(DIGITS).parent)!r})\n"
+                    "from digits import model, loss, evaluate, data as _data\n"
+                    "def data(rank, world_size, batch_size):\n"
+                    f"    if rank == 1 and {when == 'before training'}:\n"
+                    "        time.sleep(60)\n"
+                    "    return _data(rank, world_size, batch_size)\n")
+    launcher = zygote.shared().popen(
+        ["local", str(spec), "--workers", "2", "--steps", "100000", "--threads", "1", "--no-progress",
+         "--json", "--metrics", str(metrics), "--checkpoint-dir", str(checkpoints),
+         "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = []
+    try:
+        if when == "training":
+            _wait_for_a_step(metrics, launcher)
+        else:  # both workers in, the start gate waiting for the third
+            assert launcher.stderr is not None
+            while not any("worker 0 joined (" in line for line in said) or not any(
+                    "worker 1 joined (" in line for line in said):
+                said.append(launcher.stderr.readline())
+                assert said[-1], said
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+        err = "".join(said) + err
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == -signal.SIGINT, err[-2000:]
+    summary = json.loads(out)
+    assert summary["stopped_by"] == "SIGINT"
+    last = err.strip().splitlines()[-1]
+    if when == "training":
+        assert summary["steps"] > 0 and "accuracy" in summary
+        assert last == (f"tensorbus: stopped by SIGINT at version {summary['steps']}: checkpoint "
+                        f"{checkpoints}/ckpt-{summary['steps']:09d}.pt: run the same command "
+                        "with --resume to go on")
+    else:
+        assert summary["steps"] == 0 and "accuracy" not in summary
+        assert "stopping before training began" in err and "update in flight" not in err
+        assert last == ("tensorbus: stopped by SIGINT at version 0: nothing was saved "
+                        "(--checkpoint-dir DIR keeps a run's state)")

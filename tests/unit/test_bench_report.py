@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 # benchmarks/ is not installed: import it from this checkout however pytest was started.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import bench, checkout, cpu_profile, report, timeline
 from benchmarks.__main__ import BENCHMARKS, unstamped
 
@@ -186,7 +186,7 @@ def test_an_older_checkout_runs_as_run_by_bare_names(tmp_path: Path) -> None:
 
 def test_the_entry_point_knows_every_benchmark_and_each_that_writes_takes_out(
         capsys: pytest.CaptureFixture[str]) -> None:
-    here = Path(__file__).resolve().parent.parent / "benchmarks"
+    here = Path(__file__).resolve().parents[2] / "benchmarks"
     helpers = {"__init__", "__main__", "report", "checkout", "steps", "mlp"}
     assert {p.stem for p in here.glob("*.py")} - helpers == set(BENCHMARKS)
     for name, b in BENCHMARKS.items():

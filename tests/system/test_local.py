@@ -18,17 +18,19 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
+from cluster import leaked, segments
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
 TENSORBUS = [sys.executable, "-m", "tensorbus"]
-FAST = ["--threads", "1", "--no-progress", "--heartbeat", "0.2", "--timeout", "5"]
+FAST = ["--threads", "1", "--no-progress", "--json", "--heartbeat", "0.2", "--timeout", "5"]
 
 
 def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*TENSORBUS, *args], cwd=ROOT, check=False, capture_output=True, text=True,
+    return zygote.shared().run([*args], cwd=ROOT, check=False, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -116,8 +118,8 @@ def test_local_forks_its_workers(tmp_path: Path) -> None:
     """`local`'s workers are forked from it (run.children), not fresh interpreters: its
     children, named for their ranks; SIGTERM stops them all with it."""
     spec, metrics = _spec(tmp_path, "digits_forked"), tmp_path / "m.jsonl"
-    launcher = subprocess.Popen(
-        [*TENSORBUS, "local", str(spec), "--workers", "2", "--steps", "100000", *FAST,
+    launcher = zygote.shared().popen(
+        ["local", str(spec), "--workers", "2", "--steps", "100000", *FAST,
          "--metrics", str(metrics)],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -129,16 +131,16 @@ def test_local_forks_its_workers(tmp_path: Path) -> None:
             except OSError:
                 continue
             name, rest = stat[stat.index("(") + 1:].rsplit(")", 1)
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            # (Beside them, multiprocessing's resource tracker of the coordinator's
-            # shared memory: a fresh interpreter.)
-            if int(rest.split()[1]) == launcher.pid and b"resource_tracker" not in b" ".join(cmdline):
-                children[name] = cmdline
+            if int(rest.split()[1]) == launcher.pid:
+                children[name] = Path(f"/proc/{pid}/cmdline").read_bytes()
         assert set(children) == {"tb worker 0", "tb worker 1"}, children
-        assert all(b"local" in cmdline for cmdline in children.values())  # the launcher's
+        mine = Path(f"/proc/{launcher.pid}/cmdline").read_bytes()
+        assert all(cmdline == mine for cmdline in children.values())  # forked: the launcher's
         launcher.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=60)
-        assert launcher.returncode == 0, err
+        # Stopped gracefully, it says what was saved and dies of the signal, as asked.
+        assert launcher.returncode == -signal.SIGTERM, err
+        assert err.strip().splitlines()[-1].startswith("tensorbus: stopped by SIGTERM at version ")
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -169,19 +171,12 @@ def test_resuming_a_finished_run_makes_no_step_more(tmp_path: Path) -> None:
     assert _left_running(str(spec)) == []
 
 
-def _segments_of_others() -> set[Path]:
-    """Shared-memory segments of processes other than this one (whose own, from tests
-    that ran before in this process, may go meanwhile, when what holds them is collected)."""
-    ours = f"tensorbus-{os.getpid()}-"
-    return {p for p in Path("/dev/shm").glob("tensorbus-*") if not p.name.startswith(ours)}
-
-
 def test_async_pushes_by_reference_and_learns_as_with_bytes(tmp_path: Path) -> None:
     """Async's pipelined workers push both gradient sets from shared memory by default
     (bus.shared), and load versions from the coordinator's (bus.shared.Gallery); bytes
     both ways with --no-shared-memory; each run learns, and no segment is left."""
     spec = _spec(tmp_path, "digits_async")
-    segments = _segments_of_others()
+    before = segments()
     common = ["local", str(spec), "--workers", "2", "--strategy", "async", "--steps", "150",
               "--batch-size", "16", "--lr", "0.1", "--log-level", "info", *FAST]
     runs, loaded = {}, {}
@@ -189,7 +184,7 @@ def test_async_pushes_by_reference_and_learns_as_with_bytes(tmp_path: Path) -> N
         done = _run([*common, *extra])
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = json.loads(done.stdout)
-        # Each worker's last line: "worker R done: ..., N versions loaded by reference (T torn)"
+        # Each worker says at info level: "worker R: N versions loaded by reference (T torn)"
         loaded[name] = [int(n) for n in re.findall(r"(\d+) versions loaded by reference", done.stderr)]
     assert len(loaded["by reference"]) == 2 and min(loaded["by reference"]) >= 1
     assert loaded["bytes"] == [0, 0]
@@ -199,9 +194,7 @@ def test_async_pushes_by_reference_and_learns_as_with_bytes(tmp_path: Path) -> N
         assert sum(w["pushes"] for w in summary["per_worker"].values()) >= 150, name
     assert all(w["by_reference"] == w["pushes"] > 0 for w in runs["by reference"]["per_worker"].values())
     assert all(w["by_reference"] == 0 for w in runs["bytes"]["per_worker"].values())
-    # None left of these runs; segments of processes before them may go meanwhile (their
-    # resource tracker unlinks them once it sees them gone).
-    assert _segments_of_others() <= segments
+    assert leaked(before) == set()  # none of these runs' left behind
     assert _left_running(str(spec)) == []
 
 
@@ -264,15 +257,15 @@ def test_coordinator_and_workers_by_hand_match_local(tmp_path: Path) -> None:
     endpoint = f"tcp://127.0.0.1:{port}"
     processes = []
     try:
-        coordinator = subprocess.Popen(
-            [*TENSORBUS, "coordinator", str(spec), "--bind", endpoint, "--pub-port",
+        coordinator = zygote.shared().popen(
+            ["coordinator", str(spec), "--bind", endpoint, "--pub-port",
              str(pub_port), *training, *FAST],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         processes.append(coordinator)
         for rank in (1, 0):  # out of order: ranks, not arrival, decide the shards
-            processes.append(subprocess.Popen(
-                [*TENSORBUS, "worker", str(spec), "--connect", endpoint, "--rank", str(rank),
+            processes.append(zygote.shared().popen(
+                ["worker", str(spec), "--connect", endpoint, "--rank", str(rank),
                  "--threads", "1"],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             ))

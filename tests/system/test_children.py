@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PREAMBLE = """\
 import asyncio, json, os, signal, sys, time
 from tensorbus.run.children import Forks, can_fork

@@ -26,9 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from allocations import Allocations
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from tensorbus.bus.codec import CHUNK_BYTES, decode, encode
 from tensorbus.bus.messages import Push, Weights
@@ -37,32 +36,9 @@ from tensorbus.nodes import Coordinator, CoordinatorConfig
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.strategies import Sync
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(60)
-
-AT_LEAST = 64 * 1024  # a parameter of this model is 1 MB, its gradient buffer 2.1 MB
-
-
-class Allocations(TorchDispatchMode):
-    """Records every operation whose output has storage of AT_LEAST bytes that none of its
-    inputs had: a new buffer, not a view or an in-place result."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        had = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-               if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.nbytes() >= AT_LEAST and storage.data_ptr() not in had:
-                    self.seen.append((str(func), storage.nbytes()))
-        return out
-
 
 def model() -> nn.Module:
     torch.manual_seed(0)
@@ -157,6 +133,7 @@ print(*[b - a for a, b in zip(faults, faults[1:])])
 """
 
 
+@pytest.mark.system  # it starts processes
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, Linux")
 def test_a_compute_thread_reuses_the_gradient_memory_of_the_step_before() -> None:

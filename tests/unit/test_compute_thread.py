@@ -10,12 +10,13 @@ thread is done, even if the task that awaited it was cancelled.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
+from tensorbus.nodes.compute import ComputeThread
 from tensorbus.nodes.worker import _finishing, _in_thread
 
 pytestmark = pytest.mark.timeout(10)
@@ -26,14 +27,14 @@ def _staying() -> bool:
 
 
 @pytest.fixture
-def thread() -> concurrent.futures.ThreadPoolExecutor:
-    executor = concurrent.futures.ThreadPoolExecutor(1)
-    yield executor
-    executor.shutdown(wait=True, cancel_futures=True)
+def thread() -> Iterator[ComputeThread]:
+    compute = ComputeThread("test")
+    yield compute
+    compute.shutdown()
 
 
 def test_a_failure_beside_the_compute_waits_for_the_thread_to_end(
-        thread: concurrent.futures.ThreadPoolExecutor) -> None:
+        thread: ComputeThread) -> None:
     ended = threading.Event()
 
     def backward() -> int:
@@ -54,7 +55,7 @@ def test_a_failure_beside_the_compute_waits_for_the_thread_to_end(
 
 
 def test_the_result_comes_back_when_nothing_fails(
-        thread: concurrent.futures.ThreadPoolExecutor) -> None:
+        thread: ComputeThread) -> None:
     async def train() -> int:
         compute, done = _in_thread(asyncio.get_running_loop(), thread, lambda: 7)
         async with _finishing(done, _staying):
@@ -67,7 +68,7 @@ def test_the_result_comes_back_when_nothing_fails(
 
 def test_a_long_wait_for_the_thread_says_why(monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture,
-                                             thread: concurrent.futures.ThreadPoolExecutor) -> None:
+                                             thread: ComputeThread) -> None:
     monkeypatch.setattr("tensorbus.nodes.worker.FINISHING_SAY_S", 0.05)
 
     async def train() -> None:
@@ -83,7 +84,7 @@ def test_a_long_wait_for_the_thread_says_why(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_a_compute_cancelled_before_it_began_is_over_at_once(
-        thread: concurrent.futures.ThreadPoolExecutor) -> None:
+        thread: ComputeThread) -> None:
     """The hang of a worker on SIGTERM: its step was cancelled before the thread took it,
     and the wait for the thread's end waited for ever."""
     release = threading.Event()
@@ -110,7 +111,7 @@ def test_a_compute_cancelled_before_it_began_is_over_at_once(
 
 
 def test_a_worker_leaving_for_good_does_not_wait_for_its_step(
-        thread: concurrent.futures.ThreadPoolExecutor) -> None:
+        thread: ComputeThread) -> None:
     release = threading.Event()
 
     async def train() -> float:
@@ -127,3 +128,15 @@ def test_a_worker_leaving_for_good_does_not_wait_for_its_step(
         return waited
 
     assert asyncio.run(train()) < 0.5
+
+
+def test_the_thread_does_not_hold_its_process_at_exit() -> None:
+    """A daemon: a process whose worker has left does not wait for a slow data() to end."""
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom tensorbus.nodes.compute import ComputeThread\n"
+            "t = ComputeThread('slow'); t.submit(time.sleep, 60); time.sleep(0.2); t.shutdown()\n")
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=20)
+    assert time.monotonic() - started < 10

@@ -13,7 +13,7 @@ import tracemalloc
 
 import pytest
 import torch
-from test_hot_path import Allocations
+from allocations import Allocations
 
 from tensorbus.nodes.largest import SHORT, Largest
 
