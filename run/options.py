@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,8 @@ class RunOptions:
             raise ValueError(f"--join-timeout must be above 0, got {self.join_timeout_s:g}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.eval_every_s is not None and not self.eval_every_s > 0:
+            raise ValueError(f"--eval-every must be positive, got {self.eval_every_s:g}")
         parse_local(self.faults, self.workers)
         if self.max_workers is not None and self.max_workers < self.workers:
             raise ValueError(f"--max-workers ({self.max_workers}) must be at least --workers "
@@ -134,7 +137,17 @@ def make_strategy(options: RunOptions) -> Strategy:
             raise ValueError(f"{flag} is an option of {' and '.join(takers)}, not of "
                              f"{options.strategy}: drop it, or choose --strategy "
                              f"{' or '.join(takers)}")
-    return cls(workers=options.workers, **options.strategy_options)
+    try:
+        return cls(workers=options.workers, **options.strategy_options)
+    except ValueError as e:  # said with the arguments' names: here, with their flags
+        raise ValueError(_as_flags(str(e), cls.options | {"workers"})) from None
+
+
+def _as_flags(text: str, names: Iterable[str]) -> str:
+    """`text` with each of `names` (a strategy's arguments) written as its flag."""
+    for name in sorted(names, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w-]){name}(?![\w-])", f"--{name.replace('_', '-')}", text)
+    return text
 
 
 def make_coordinator(

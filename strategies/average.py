@@ -37,7 +37,7 @@ class PeriodicAveraging(Sync):
         rhythm = Rhythm(push=PushKind.WEIGHTS, local_steps=average_every, wait=Wait.NEWER)
         super().__init__(workers=workers, stall_after_s=stall_after_s, rhythm=rhythm)
         if outer_lr is None and (outer_momentum or nesterov):
-            raise ValueError("an outer momentum or Nesterov needs an outer lr")
+            raise ValueError("outer_momentum or nesterov needs outer_lr")
         self.average_every = average_every
         self.outer = (
             OuterOptimizer(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)

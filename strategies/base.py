@@ -52,11 +52,11 @@ class OuterOptimizer:
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
-            raise ValueError(f"outer lr must be positive, got {self.lr}")
+            raise ValueError(f"outer_lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:
-            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.momentum}")
         if self.nesterov and self.momentum == 0:
-            raise ValueError("Nesterov needs an outer momentum above 0")
+            raise ValueError("nesterov needs outer_momentum above 0")
 
 
 class DropReason(str, enum.Enum):

@@ -76,8 +76,15 @@ def test_a_spec_that_does_not_exist() -> None:
     (["--batch-size", "0"], "tensorbus: error: --batch-size must be at least 1, got 0"),
     (["--heartbeat", "0.5", "--timeout", "0"],
      "tensorbus: error: --heartbeat must be above 0 and below --timeout, got 0.5 and 0"),
+    # A strategy's own checks, said with the flags, not the Python arguments' names.
+    (["--strategy", "average", "--average-every", "0"],
+     "tensorbus: error: --average-every must be at least 1, got 0"),
+    (["--strategy", "average", "--outer-momentum", "0.9"],
+     "tensorbus: error: --outer-momentum or --nesterov needs --outer-lr"),
+    (["--eval-every", "0"], "tensorbus: error: --eval-every must be positive, got 0"),
 ], ids=["steps-and-epochs", "option-of-another-strategy", "resume-without-dir", "min-workers",
-        "compress-weights", "no-epochs", "no-threads", "no-batch", "heartbeat-timeout"])
+        "compress-weights", "no-epochs", "no-threads", "no-batch", "heartbeat-timeout",
+        "average-every", "outer-lr", "eval-every"])
 def test_a_wrong_combination_of_flags(args: list[str], line: str) -> None:
     done = _tensorbus("local", DIGITS, "--workers", "2", *args)
     assert done.returncode == 2

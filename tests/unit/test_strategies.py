@@ -577,15 +577,15 @@ def test_outer_optimizer_is_built_from_the_options():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"outer_lr": 0.0}, "outer lr must be positive"),
-        ({"outer_lr": -1.0}, "outer lr must be positive"),
-        ({"outer_lr": math.nan}, "outer lr must be positive"),
-        ({"outer_lr": 0.5, "outer_momentum": 1.0}, r"outer momentum must be in \[0, 1\)"),
-        ({"outer_lr": 0.5, "outer_momentum": -0.1}, r"outer momentum must be in \[0, 1\)"),
-        ({"outer_lr": 0.5, "outer_momentum": math.nan}, r"outer momentum must be in \[0, 1\)"),
-        ({"outer_lr": 0.5, "nesterov": True}, "Nesterov needs an outer momentum above 0"),
-        ({"outer_momentum": 0.9}, "an outer momentum or Nesterov needs an outer lr"),
-        ({"nesterov": True}, "an outer momentum or Nesterov needs an outer lr"),
+        ({"outer_lr": 0.0}, "outer_lr must be positive"),
+        ({"outer_lr": -1.0}, "outer_lr must be positive"),
+        ({"outer_lr": math.nan}, "outer_lr must be positive"),
+        ({"outer_lr": 0.5, "outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\)"),
+        ({"outer_lr": 0.5, "outer_momentum": -0.1}, r"outer_momentum must be in \[0, 1\)"),
+        ({"outer_lr": 0.5, "outer_momentum": math.nan}, r"outer_momentum must be in \[0, 1\)"),
+        ({"outer_lr": 0.5, "nesterov": True}, "nesterov needs outer_momentum above 0"),
+        ({"outer_momentum": 0.9}, "outer_momentum or nesterov needs outer_lr"),
+        ({"nesterov": True}, "outer_momentum or nesterov needs outer_lr"),
     ],
 )
 def test_invalid_outer_optimizer(kwargs, message):
