@@ -594,9 +594,9 @@ def test_invalid_outer_optimizer(kwargs, message):
 
 
 def test_outer_optimizer_validates_on_its_own():
-    with pytest.raises(ValueError, match="outer lr"):
+    with pytest.raises(ValueError, match="outer_lr"):
         OuterOptimizer(lr=0.0)
-    with pytest.raises(ValueError, match="Nesterov"):
+    with pytest.raises(ValueError, match="nesterov"):
         OuterOptimizer(lr=1.0, nesterov=True)
     assert OuterOptimizer(lr=1.0) == OuterOptimizer(lr=1.0, momentum=0.0, nesterov=False)
 
