@@ -329,6 +329,26 @@ def test_one_rank_whose_updates_are_nan_stops_the_run_and_is_named(
         r"(; or training is diverging: lower --lr)?", line), line
 
 
+def test_under_async_one_rank_whose_updates_are_nan_contributes_nothing(tmp_path: Path) -> None:
+    """Nobody waits on it under async: its updates are dropped and counted, it is warned
+    of (once every 10 s), and the run goes on with the others to its end."""
+    spec = tmp_path / "nan_rank.py"
+    spec.write_text(Path(DIGITS).read_text() + (
+        "\n_data = data\n\n\ndef data(rank, world_size, batch_size):\n"
+        "    batches = list(_data(rank, world_size, batch_size))\n"
+        "    if rank != 1:\n        return batches\n"
+        "    return [(x * float('nan'), y) for x, y in batches]\n"))
+    done = _tensorbus("local", str(spec), "--workers", "3", "--steps", "60", "--strategy",
+                      "async", "--threads", "1", "--no-progress", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["steps"] == 60 and summary["dropped"]["not_finite"] >= 1
+    assert summary["per_worker"]["1"]["applied"] == 0
+    assert summary["per_worker"]["1"]["dropped"] == summary["dropped"]["not_finite"]
+    warned = [line for line in done.stderr.splitlines() if "non-finite update" in line]
+    assert len(warned) == 1 and "worker 1 pushed a non-finite update" in warned[0]
+
+
 def test_workers_that_joined_but_never_pushed(tmp_path: Path) -> None:
     """Every worker joined, and no version came within --join-timeout: said so, not
     counted as workers that never joined."""
