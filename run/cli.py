@@ -2,9 +2,11 @@
 
 Every failure a user can cause ends with one line on stderr, `tensorbus: error: ...`
 (a worker's says `error: ...`, for its launcher to pick up), saying what is wrong and what
-to do, and a non-zero exit status: 2 for bad arguments or SPEC, 1 for a run that failed,
-130 when interrupted. A traceback only with `--debug`; anything unforeseen is named as an
-internal error, in one line too.
+to do, and a non-zero exit status: 2 for bad arguments or SPEC, 1 for a run that failed.
+A run stopped by SIGINT or SIGTERM stops gracefully, then dies of the signal (a shell's
+130 or 143); a second signal, or one during the imports, interrupts at once (130). A
+traceback only with `--debug`; anything unforeseen is named as an internal error, in one
+line too.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from tensorbus.run.signals import die_of, stopping_on_signals
 from tensorbus.run.spec import SpecError, load_spec, said
 from tensorbus.run.status import StatusTable
 from tensorbus.strategies import STRATEGIES
-
 
 DONE = "worker {rank} done: "  # how a worker's last line begins when it ends well
 
@@ -301,12 +302,15 @@ def _refuse_public_bind(args: argparse.Namespace) -> None:
 def _ended(args: argparse.Namespace, summary: dict[str, Any]) -> int:
     """Say how the run ended: its main figures (or, with --json, the whole summary); for a
     run a signal stopped, what was saved, and then die of that signal, as asked."""
+    training = args.command != "relay"  # (a relay has no --metrics, no checkpoints)
     if args.json:
         print(json.dumps(summary, indent=1), flush=True)
     else:
-        print(run_summary.table(summary, getattr(args, "metrics", None)), flush=True)
+        print(run_summary.table(summary, getattr(args, "metrics", None), keeps=training),
+              flush=True)
     stopped = run_summary.stopped_by(summary)
     if stopped is not None:
-        print(f"tensorbus: {run_summary.after_a_signal(summary)}", file=sys.stderr, flush=True)
+        print(f"tensorbus: {run_summary.after_a_signal(summary, saves=training)}",
+              file=sys.stderr, flush=True)
         die_of(stopped)
     return 0

@@ -195,7 +195,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the whole summary as JSON on stdout when the run ends, in "
-                        "place of its main figures (for scripts; --metrics keeps it too)")
+                        "place of its main figures (for scripts)")
 
 
 def _shared_memory(p: argparse.ArgumentParser) -> None:

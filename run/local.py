@@ -214,7 +214,8 @@ async def _relay(
         removed = [await c.remove(rank, why) for c in coordinators]
         if any(removed):
             return
-        if not failure.done() and code != -signal.SIGTERM:
+        # (A worker asked to leave, by SIGTERM or SIGINT, left: the run goes on smaller.)
+        if not failure.done() and code not in (-signal.SIGTERM, -signal.SIGINT):
             failure.set_result(f"worker {rank} was killed by {name}")
         return
     if code != 0 and not failure.done() and not any(c.failed for c in coordinators):

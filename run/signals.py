@@ -1,8 +1,9 @@
 """SIGTERM and Ctrl-C on a coordinator: a graceful stop first, an interrupt the second time.
 
 The first signal asks the coordinator to finish the update in flight, checkpoint, stop the
-workers and return its summary (the process then exits 0). A second signal is not caught:
-it interrupts at once, for a user who will not wait.
+workers and return its summary; the command then says what was saved and dies of the
+signal (run.cli), as a stopped process should. A second signal is not caught: it
+interrupts at once, for a user who will not wait.
 
 SIGTERM or Ctrl-C on a worker: it leaves the run at once (its coordinator is told why and
 goes on without it; a step being computed is not waited for), lets go of its shared memory,

@@ -14,8 +14,8 @@ _FIELDS = {"event", "strategy", "workers", "steps", "samples", "wall_s", "train_
            "lost", "ended", "resumed_from", "stopped_by", "checkpoint", "per_worker"}
 
 
-def table(summary: dict[str, Any], metrics: Path | None) -> str:
-    """The summary's main figures, a few short lines."""
+def table(summary: dict[str, Any], metrics: Path | None, *, keeps: bool = True) -> str:
+    """The summary's main figures, a few short lines; `keeps`: the command has --metrics."""
     loss = summary.get("final_loss")
     lines = [
         f"{summary['strategy']}, {summary['workers']} workers: {summary['steps']} versions, "
@@ -35,8 +35,10 @@ def table(summary: dict[str, Any], metrics: Path | None) -> str:
         lines.append(f"  staleness    at most {summary['max_staleness']} versions, clocks at "
                      f"most {summary['max_clock_gap']} apart")
     lines.append(f"  ended        {summary['ended'] or '-'}")
-    lines.append(f"  every step and the whole summary: {metrics}" if metrics is not None
-                 else "  (--metrics FILE.jsonl keeps every step and the whole summary)")
+    if metrics is not None:
+        lines.append(f"  every step and the whole summary: {metrics}")
+    elif keeps:
+        lines.append("  (--metrics FILE.jsonl keeps every step and the whole summary)")
     return "\n".join(lines)
 
 
@@ -47,9 +49,13 @@ def stopped_by(summary: dict[str, Any]) -> signal.Signals | None:
         else None
 
 
-def after_a_signal(summary: dict[str, Any]) -> str:
-    """One line for a run a signal stopped: where it stopped, what was saved, how to go on."""
+def after_a_signal(summary: dict[str, Any], *, saves: bool = True) -> str:
+    """One line for a run a signal stopped: where it stopped, what was saved, how to go on
+    (`saves`: the command has --checkpoint-dir; a relay keeps no state of its own)."""
+    stopped = f"stopped by {summary['stopped_by']} at version {summary['steps']}"
+    if not saves:
+        return stopped
     where = (f"checkpoint {summary['checkpoint']}: run the same command with --resume to "
              "go on" if summary.get("checkpoint") else
              "nothing was saved (--checkpoint-dir DIR keeps a run's state)")
-    return f"stopped by {summary['stopped_by']} at version {summary['steps']}: {where}"
+    return f"{stopped}: {where}"

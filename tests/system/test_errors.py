@@ -133,7 +133,11 @@ def test_an_interrupt_while_starting_is_one_line_and_status_130() -> None:
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                stdin=subprocess.DEVNULL, text=True)
     try:
-        time.sleep(0.3)  # importing torch takes longer than this
+        # Once torch's libraries are being loaded, and long before they all are.
+        maps = Path(f"/proc/{process.pid}/maps")
+        deadline = time.monotonic() + 20
+        while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=30)
     finally:
