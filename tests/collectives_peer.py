@@ -1,4 +1,4 @@
-"""One rank of tests/test_collectives.py's comparison with torch.distributed on gloo.
+"""One rank of tests/integration/test_collectives.py's comparison with torch.distributed on gloo.
 
     python tests/collectives_peer.py RANK SIZE TENSORBUS_PORT GLOO_PORT OUT_DIR
 

@@ -1,4 +1,4 @@
-"""What the children of tests/test_children.py run: `python -m forked_child WHAT [ARG]`,
+"""What the children of tests/system/test_children.py run: `python -m forked_child WHAT [ARG]`,
 forked from a launcher by run.children.Forks.
 
 - exit N: exits with status N;

@@ -4,7 +4,7 @@ In one event loop over real ZeroMQ (each node's own shard in-process, the others
 loopback): sync steps as one coordinator does, to 1e-5, with 2 and 3 workers, and so does
 periodic averaging; every worker ends holding the final weights; evaluate sees them; a
 strategy whose workers do not wait for every version, and a wrong endpoint list, are
-refused with what to do. `tensorbus local --colocate` is tested in tests/test_colocated_local.py.
+refused with what to do. `tensorbus local --colocate` is tested in tests/system/test_colocated_local.py.
 """
 
 from __future__ import annotations

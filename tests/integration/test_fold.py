@@ -119,7 +119,7 @@ def _model() -> nn.Module:
 
 def _worker(endpoint: str, rank: int, poison_step: int | None, **config: Any) -> Worker:
     """Worker `rank`, whose gradient is NaN at its `poison_step`-th backward (if given);
-    `config`: more WorkerConfig fields (tests/test_shared.py's shared_memory)."""
+    `config`: more WorkerConfig fields (tests/integration/test_shared.py's shared_memory)."""
     model = _model()
     if poison_step is not None:
         # A NaN gradient once, with a finite loss: only the tensors say it.

@@ -4,7 +4,7 @@ Unit: a gallery's sets, their generation counters as a reader sees them, and the
 bumps them before it writes a set again. In one loop, over real ZeroMQ: workers load every
 version of sync from the coordinator's shared memory and end with the bits of workers that
 take bytes; a copy torn by a rewrite is thrown away and the version pulled; async loads by
-reference too; nothing is left in /dev/shm. (Multi-process: tests/test_local.py.)
+reference too; nothing is left in /dev/shm. (Multi-process: tests/system/test_local.py.)
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_no_step_after_the_first_allocates_a_gradient_sized_buffer() -> None:
     coordinator = Coordinator(
         model=model(), strategy=Sync(workers=1),
         # Its weight sets in private memory: sets in shared memory are mappings, which
-        # this watch does not see (tests/test_shared.py counts those).
+        # this watch does not see (tests/integration/test_shared.py counts those).
         config=CoordinatorConfig(batch_size=8, steps=100, shared_memory=False),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
     )

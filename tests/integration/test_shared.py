@@ -7,7 +7,7 @@ with bytes (a NaN push dropped alike), and so do bf16/fp16 pushes (their narrow 
 kept across joins); async and ssp push by reference (ssp's worker past the bound still
 held); a push by reference whose worker needs no newer version is answered only once the
 coordinator has let go of it; a worker with no room in /dev/shm pushes bytes. The multi-process runs are in
-tests/test_colocated_local.py.
+tests/system/test_colocated_local.py.
 """
 
 from __future__ import annotations

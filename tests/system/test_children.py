@@ -3,7 +3,7 @@
 Each test runs a small launcher in a fresh interpreter (forking pytest's own process, with
 whatever earlier tests left in it, would test something else) that forks children with
 `Forks`, starts them on `tests/forked_child.py` and prints what it saw as JSON.
-`tests/test_local.py` and `tests/test_colocated_local.py` check the same through
+`tests/system/test_local.py` and `tests/system/test_colocated_local.py` check the same through
 `tensorbus local`, whose workers are forked this way, against workers started by hand.
 """
 

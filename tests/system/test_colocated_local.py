@@ -46,7 +46,7 @@ def test_colocated_gives_the_figures_of_a_central_coordinator(tmp_path: Path) ->
     """... and so do both with the gradients pushed as bytes, not from shared memory
     (bus.shared): every push to a shard in another process goes by reference, by default;
     none with --no-shared-memory; and no segment is left in /dev/shm."""
-    workers = 2  # 3 are compared with one coordinator in tests/test_colocated.py
+    workers = 2  # 3 are compared with one coordinator in tests/integration/test_colocated.py
     spec = _spec(tmp_path, "colocated")
     before = segments()
     common = ["local", str(spec), "--workers", str(workers), "--steps", "40", *FAST]

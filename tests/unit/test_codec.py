@@ -534,7 +534,7 @@ def test_wrong_field_type_on_other_kinds(message, name, value, want, got):
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_float_field_is_carried_for_the_node_to_judge(value):
     """A NaN loss is a fact about training, not a broken message: the coordinator counts
-    it as a not_finite update (tests/test_integration.py), the codec passes it on."""
+    it as a not_finite update (tests/integration/test_integration.py), the codec passes it on."""
     message = decode(received(encode(two_tensor_push(loss=value))))
     assert math.isnan(message.loss) if math.isnan(value) else message.loss == value
 
