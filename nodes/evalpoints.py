@@ -27,11 +27,17 @@ class EvaluateError(Exception):
 def figures(evaluate: Evaluate, model: nn.Module, *, taken: Collection[str] = ()) -> dict[str, float]:
     """evaluate(model) as names to floats (a tensor of one element, or a numpy number, is
     taken as its value), so that the metrics file and the summary can hold them; names in
-    `taken` are the record's own. EvaluateError if it raised or returned anything else."""
+    `taken` are the record's own. EvaluateError if it raised or returned anything else.
+    evaluate() gets the model in eval mode (dropout off, BatchNorm on its running
+    statistics), and the model's mode is given back after."""
+    training = model.training
+    model.eval()
     try:
         result = evaluate(model)
     except Exception as e:
         raise EvaluateError(f"evaluate() raised {type(e).__name__}: {e}") from e
+    finally:
+        model.train(training)
     if not isinstance(result, Mapping):
         raise EvaluateError(f"evaluate(model) returned {type(result).__name__}: it must return "
                             "a dict of names to numbers, such as {'accuracy': 0.91}")

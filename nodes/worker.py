@@ -293,6 +293,7 @@ class Worker:
     # Training ------------------------------------------------------------------------------
 
     async def _train(self, welcome: Welcome) -> None:
+        self._model.train()  # dropout on, BatchNorm's statistics moving: whatever it was given
         wait = Wait(welcome.wait)
         shard = (self.rank, welcome.world_size, welcome.batch_size)
         if (self._batches is None or self._shard != shard

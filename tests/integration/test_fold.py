@@ -180,3 +180,20 @@ def test_a_run_that_folds_pushes_as_they_come_makes_the_same_bits(poisoned: int 
     assert summary["dropped"] == plain["dropped"] == dropped
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert all(bool(torch.isfinite(w).all()) for w in got)
+
+
+def test_a_worker_trains_in_train_mode_whatever_mode_it_was_given() -> None:
+    """Dropout on and BatchNorm's statistics moving while it computes: model.train()."""
+    async def scenario() -> list[bool]:
+        coordinator = Coordinator(model=_model(), strategy=Sync(workers=1),
+                                  config=CoordinatorConfig(batch_size=8, steps=3),
+                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+        worker = _worker(coordinator.bind(), 0, None)
+        worker._model.eval()
+        modes: list[bool] = []
+        worker._model.register_forward_pre_hook(lambda m, _: modes.append(m.training))
+        await asyncio.gather(coordinator.run(), worker.run())
+        return modes
+
+    modes = asyncio.run(scenario())
+    assert modes and all(modes)

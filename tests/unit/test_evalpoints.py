@@ -93,3 +93,25 @@ def test_an_evaluate_that_raises_is_said_with_its_cause() -> None:
     with pytest.raises(EvaluateError, match=re.escape("evaluate() raised KeyError: 'test set'")) as e:
         figures(evaluate, nn.Linear(2, 2))
     assert isinstance(e.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluate_sees_eval_mode_and_the_mode_is_given_back(training: bool) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+    model.train(training)
+    seen: list[bool] = []
+
+    def evaluate(m: nn.Module) -> dict[str, float]:
+        seen.append(m.training or any(sub.training for sub in m.modules()))
+        return {"x": 1.0}
+
+    assert figures(evaluate, model) == {"x": 1.0}
+    assert seen == [False]
+    assert all(sub.training is training for sub in model.modules())
+
+    def failing(m: nn.Module) -> dict[str, float]:
+        raise RuntimeError("boom")
+
+    with pytest.raises(EvaluateError):
+        figures(failing, model)
+    assert model.training is training  # given back, even when evaluate() raised
