@@ -250,7 +250,9 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
     length.add_argument("--steps", type=int, help="versions to apply")
     length.add_argument("--epochs", type=int, help="passes over each worker's shard (default 1)")
     p.add_argument("--batch-size", type=int, default=64, help="per worker (default 64)")
-    p.add_argument("--lr", type=float, default=0.1, help="for the default SGD (default 0.1)")
+    p.add_argument("--lr", type=float,
+                   help="the default SGD's learning rate (default 0.1); a SPEC with its own "
+                        "optimizer() sets its own, and --lr beside it is an error")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
     p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
     _liveness(p, "wait this long for workers, in seconds (default 300)")

@@ -27,6 +27,9 @@ from tensorbus.strategies import STRATEGIES, Strategy
 from tensorbus.strategies.base import PushKind, Wait
 
 
+DEFAULT_LR = 0.1  # the learning rate of the default SGD, when the SPEC has no optimizer()
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     workers: int
@@ -34,7 +37,7 @@ class RunOptions:
     steps: int | None = None
     epochs: int | None = None  # neither steps nor epochs: one epoch
     batch_size: int = 64
-    lr: float = 0.1
+    lr: float | None = None  # the default SGD's (DEFAULT_LR when not given)
     seed: int = 0
     metrics: Path | None = None
     heartbeat_s: float = 0.5
@@ -75,7 +78,7 @@ class RunOptions:
                              f"{self.heartbeat_s:g} and {self.timeout_s:g}")
         if not self.join_timeout_s > 0:
             raise ValueError(f"--join-timeout must be above 0, got {self.join_timeout_s:g}")
-        if self.lr <= 0:
+        if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.eval_every_s is not None and not self.eval_every_s > 0:
             raise ValueError(f"--eval-every must be positive, got {self.eval_every_s:g}")
@@ -103,6 +106,18 @@ class RunOptions:
             raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
                              "pushes weights: drop it, or choose sync, ssp or async")
 
+
+    @property
+    def sgd_lr(self) -> float:
+        """The default SGD's learning rate: --lr, else DEFAULT_LR."""
+        return self.lr if self.lr is not None else DEFAULT_LR
+
+    def check_spec(self, spec: Spec) -> None:
+        """Options the SPEC would make pointless are refused, not silently ignored."""
+        if self.lr is not None and spec.optimizer is not None:
+            raise ValueError(f"--lr sets the learning rate of the default SGD, and SPEC "
+                             f"{spec.source} defines optimizer(), whose own wins: set the lr "
+                             "there, or drop --lr")
 
     def _check_colocate(self, strategy: Strategy) -> None:
         if self.workers < 2:
@@ -165,6 +180,7 @@ def make_coordinator(
     Only shard 0 writes the metrics and the trace; each shard checkpoints into its own
     directory. Unsharded, it evaluates with the SPEC's evaluate; a shard, with `evaluate`
     if given (see `make_coordinators`), for it holds only a range of the model."""
+    options.check_spec(spec)
     torch.manual_seed(options.seed)
     model: torch.nn.Module = spec.build_model()
     sharded = options.shards > 1
@@ -180,7 +196,7 @@ def make_coordinator(
         config=coordinator_config(options, bind=bind, pub_port=pub_port, shard=shard,
                                   shards=options.shards),
         optimizer=spec.optimizer,
-        lr=options.lr,
+        lr=options.sgd_lr,
         evaluate=evaluate if sharded else spec.evaluate,
         on_step=on_step if first else None,
     )
@@ -228,13 +244,14 @@ def make_colocated(
     """Worker `index` of `options.workers` with the coordinator shard it serves (--colocate):
     the model built from the SPEC with the run's seed, as in every other process. Node 0
     reports: the metrics, the trace, progress, and the evaluation of the final model."""
+    options.check_spec(spec)
     torch.manual_seed(options.seed)
     first = index == 0
     return Colocated(
         index=index, count=options.workers, model=spec.build_model(), data=spec.data,
         loss=spec.loss, strategy=make_strategy(options),
         config=coordinator_config(options, bind=bind, shard=index, shards=options.workers),
-        optimizer=spec.optimizer, lr=options.lr,
+        optimizer=spec.optimizer, lr=options.sgd_lr,
         evaluate=spec.evaluate if first else None, on_step=on_step if first else None,
     )
 

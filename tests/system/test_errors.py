@@ -514,3 +514,15 @@ def test_an_argument_error_comes_at_once_with_what_was_meant(args: list[str], li
     assert (code, torch_imported) == ("2", "False")
     assert float(seconds) < 0.5
     assert _one_line(done) == line
+
+
+def test_lr_beside_a_spec_optimizer_is_refused_and_says_which_wins(tmp_path: Path) -> None:
+    spec = tmp_path / "own_optimizer.py"
+    spec.write_text(Path(DIGITS).read_text() + (
+        "\n\nimport torch\n\n\ndef optimizer(params):\n"
+        "    return torch.optim.SGD(params, lr=0.05, momentum=0.9)\n"))
+    done = _tensorbus("local", str(spec), "--workers", "2", "--lr", "0.5")
+    assert done.returncode == 2
+    assert _one_line(done) == (
+        f"tensorbus: error: --lr sets the learning rate of the default SGD, and SPEC {spec} "
+        "defines optimizer(), whose own wins: set the lr there, or drop --lr")
