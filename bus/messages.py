@@ -139,6 +139,7 @@ class Welcome(Message):
     compress: str = ""  # how to push gradients: bus.layout.Compression ("": as they are)
     # It takes tensors by reference and saw the Join's probe: its own Probe's offer ("": not).
     shared: str = ""
+    seed: int = 0  # the run's --seed: a worker seeds its random generators from it and its rank
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,6 +47,9 @@ class CoordinatorConfig:
     # Take the tensors of workers on this host by reference, from their shared memory,
     # rather than as bytes over the socket (bus.shared); a worker elsewhere sends bytes.
     shared_memory: bool = True
+    # Each worker seeds torch's, numpy's and random's generators from (seed, its rank) as
+    # it starts training: its dropout and shuffles are the same from run to run.
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.first_rank < 0:

@@ -541,7 +541,7 @@ class Coordinator:
             heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,
             position=self._positions.get(admitted.rank, 0), compress=self.config.compress,
             shared=(self._probe.offer if self._probe is not None and message.shared
-                    and Probe.seen(message.shared) else ""),
+                    and Probe.seen(message.shared) else ""), seed=self.config.seed,
         )
         self._copy_held(admitted.rank)
         await self._refresh_snapshot()

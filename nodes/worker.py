@@ -26,12 +26,14 @@ import contextlib
 import functools
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
+import numpy
 import torch
 from torch import nn
 
@@ -302,6 +304,7 @@ class Worker:
             # fresh process, a rejoin on another shard, or a coordinator restarted from a
             # checkpoint (whose records are behind us: the data rewinds with the weights).
             self._enter(Phase.LOADING)
+            seed_generators(welcome.seed, self.rank)  # before data(), which may shuffle
             shards = await self._off_loop(self._load, welcome)
             self._batches = _Epochs(shards, self._describe_data(welcome),
                                     anew=_on_loop(asyncio.get_running_loop()))
@@ -841,6 +844,15 @@ class _InFlight:
     answers: asyncio.Future[list[tuple[Message, Tracker | None]]]
     computed_on: list[int]
     current: int  # the gradient set it was sent from
+
+
+def seed_generators(seed: int, rank: int) -> None:
+    """Seed torch's, numpy's and random's generators from (seed, rank), so that a run's
+    dropout masks and shuffles are the same from run to run (each rank's its own)."""
+    derived = int(numpy.random.SeedSequence([seed, rank]).generate_state(1, numpy.uint64)[0])
+    torch.manual_seed(derived)
+    numpy.random.seed(derived % 2**32)
+    random.seed(derived)
 
 
 def _probe() -> Probe | None:

@@ -26,7 +26,6 @@ from tensorbus.run.spec import Spec
 from tensorbus.strategies import STRATEGIES, Strategy
 from tensorbus.strategies.base import PushKind, Wait
 
-
 DEFAULT_LR = 0.1  # the learning rate of the default SGD, when the SPEC has no optimizer()
 
 
@@ -234,6 +233,7 @@ def coordinator_config(
         trace=options.trace if first else None,
         compress=options.compress,
         shared_memory=options.shared_memory,
+        seed=options.seed,
     )
 
 

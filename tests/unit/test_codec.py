@@ -151,7 +151,7 @@ SAMPLES = {
                           batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9,
                           compress="bf16",
                           shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
-                          tensors=WEIGHTS),
+                          seed=3, tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, tensors=WEIGHTS),
@@ -380,7 +380,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, -1, 255, "7", None, [7]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 9, -1, 255, "8", None, [8]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
