@@ -8,6 +8,7 @@ heartbeats alone, and a worker learns of a lost coordinator from its silence.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -82,6 +83,10 @@ def test_sigterm_on_a_worker_leaves_the_run_at_once(tmp_path: Path) -> None:
         summary, _ = c.finish()
         assert summary["lost"] == []
         assert c.workers[0].wait(timeout=15) == 0, c.logs()
+        # A worker started by hand that ends well says so, whatever the log level.
+        done = (tmp_path / "worker-0.log").read_text().strip().splitlines()[-1]
+        assert re.fullmatch(r"worker 0 done: \d+ pushes, final version \d+, last loss "
+                            r"\d+\.\d{4}", done), done
         log = (tmp_path / "worker-1.log").read_text()
         assert "worker 1 left the run on SIGTERM" in log and "leaked" not in log, log
         assert not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*"))
@@ -91,22 +96,22 @@ def test_sigterm_on_a_worker_leaves_the_run_at_once(tmp_path: Path) -> None:
 
 
 def test_sigterm_on_a_worker_still_joining_leaves_no_shared_memory(tmp_path: Path) -> None:
-    """A worker that waits for its coordinator to appear, stopped with SIGTERM: it dies of
-    the signal without leaving its shared memory to multiprocessing's resource tracker
-    (which would warn of a leak)."""
+    """A worker that waits for its coordinator to appear, with no rank yet, stopped with
+    SIGTERM: it dies of the signal, says so without a rank ("worker -1" it was), and leaves
+    nothing in /dev/shm, nor a warning of a leak."""
     with cluster(tmp_path) as c:
-        c.start_worker(0)  # nobody listens at its endpoint: it keeps asking to join
-        pid = c.workers[0].pid
+        c.start_worker(-1)  # nobody listens at its endpoint: it keeps asking to join
+        pid = c.workers[-1].pid
         deadline = time.monotonic() + TIMEOUT_S * 15
         while not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*")):  # its probe: built
-            assert time.monotonic() < deadline and c.workers[0].poll() is None, c.logs()
+            assert time.monotonic() < deadline and c.workers[-1].poll() is None, c.logs()
             time.sleep(0.05)
         time.sleep(1.0)  # (its signal handler is set as its event loop starts, just after)
-        c.workers[0].send_signal(signal.SIGTERM)
-        assert c.workers[0].wait(timeout=15) == -signal.SIGTERM
-        time.sleep(0.5)  # the resource tracker, which would warn, ends as its pipe closes
-        log = (tmp_path / "worker-0.log").read_text()
-        assert "left the run on SIGTERM" in log and "leaked" not in log, log
+        c.workers[-1].send_signal(signal.SIGTERM)
+        assert c.workers[-1].wait(timeout=15) == -signal.SIGTERM
+        log = (tmp_path / "worker--1.log").read_text()
+        assert log.strip().splitlines()[-1] == "a worker with no rank yet left the run on SIGTERM"
+        assert "leaked" not in log, log
         assert not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*"))
 
 
