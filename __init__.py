@@ -47,7 +47,11 @@ _WHERE: dict[str, str] = {
     "OuterOptimizer": "strategies.average",
     "STRATEGIES": "strategies",
     # errors
-    "TrainingError": "nodes.coordinator",
+    "TrainingError": "nodes.failures",
+    "Diverged": "nodes.failures",
+    "TooFewWorkers": "nodes.failures",
+    "JoinTimedOut": "nodes.failures",
+    "NoVersionMade": "nodes.failures",
     "RunFailedError": "nodes.link",
     "DataError": "nodes.worker",
     "ComputeError": "nodes.worker",
@@ -68,11 +72,14 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "DataError",
+    "Diverged",
     "Group",
     "GroupFailedError",
     "GroupServer",
     "HandshakeError",
+    "JoinTimedOut",
     "LocalRunError",
+    "NoVersionMade",
     "OuterOptimizer",
     "PeerTimeoutError",
     "PeriodicAveraging",
@@ -87,6 +94,7 @@ __all__ = [
     "StaleSync",
     "Strategy",
     "Sync",
+    "TooFewWorkers",
     "TrainingError",
     "WireError",
     "Worker",
@@ -105,7 +113,14 @@ if TYPE_CHECKING:
     )
     from tensorbus.nodes.colocated import Colocated
     from tensorbus.nodes.config import CoordinatorConfig, WorkerConfig
-    from tensorbus.nodes.coordinator import Coordinator, TrainingError
+    from tensorbus.nodes.coordinator import Coordinator
+    from tensorbus.nodes.failures import (
+        Diverged,
+        JoinTimedOut,
+        NoVersionMade,
+        TooFewWorkers,
+        TrainingError,
+    )
     from tensorbus.nodes.link import RunFailedError
     from tensorbus.nodes.relay import Relay
     from tensorbus.nodes.shards import ShardModel

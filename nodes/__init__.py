@@ -26,7 +26,7 @@ _WHERE = {
     "RunFailedError": "link",
     "ShardModel": "shards",
     "State": "coordinator",
-    "TrainingError": "coordinator",
+    "TrainingError": "failures",
     "Worker": "worker",
     "WorkerConfig": "config",
     "WorkerReport": "worker",

@@ -54,6 +54,13 @@ from tensorbus.nodes import changes as changed
 from tensorbus.nodes import checkpoint
 from tensorbus.nodes.config import CoordinatorConfig
 from tensorbus.nodes.evalpoints import EvalPoints, Evaluate, EvaluateError, figures
+from tensorbus.nodes.failures import (
+    Diverged,
+    JoinTimedOut,
+    NoVersionMade,
+    TooFewWorkers,
+    TrainingError,
+)
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.fold import Fold, next_to_fold, step_alpha
 from tensorbus.nodes.master import AllDone, Master, shared_pool, tracked, weights_gallery
@@ -98,10 +105,6 @@ _UNKNOWN_BUILD = "unknown"  # a build that cannot tell its release (or none said
 
 # A worker's reported phase, as the status table names it (a held push is "staleness").
 _STATES = {"waiting": "barrier"}
-
-
-class TrainingError(Exception):
-    """The run cannot go on; the message says why and what was waited for."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,7 @@ class Coordinator:
         self._stop_quietly = False
         self._stop_at: int | None = None  # the version a requested stop waits for
         self._stop_timer: asyncio.TimerHandle | None = None
-        self._failure: str | None = None  # why the run failed, raised once workers are told
+        self._failure: TrainingError | None = None  # why it failed, raised once workers are told
         self._background: asyncio.Task[None] | None = None
         self._warned: dict[tuple[bytes, str], float] = {}  # rate limit of rejection warnings
         if config.checkpoint_dir is not None:
@@ -331,7 +334,7 @@ class Coordinator:
             self.watch.close()
         if self._failure is not None:
             self.metrics.close()
-            raise TrainingError(self._failure)
+            raise self._failure
         if before_evaluate is not None:
             try:
                 await before_evaluate
@@ -639,29 +642,9 @@ class Coordinator:
                          and (m.rank in self._held or m.rank in self._parked))
         if not bad or len(bad) + len(waiting) < len(self._members):
             return
-        started = self.state is State.TRAINING
-        which = "last" if started else "first"
-        where = f"at version {self.version}" if started else "on the initial weights, before any step"
-        if waiting:  # some workers' updates are finite: look at those that are not first
-            ones, others = len(bad) > 1, len(waiting) > 1
-            await self._fail(
-                f"the {which} {_DIVERGED_AFTER} updates of worker{'s' * ones} "
-                f"{_listed(bad)} were not finite (NaN or inf), {where}, while worker"
-                f"{'s' * others} {_listed(waiting)} wait{'' if others else 's'} for "
-                f"{'them' if ones else 'it'} with finite ones: the SPEC's data() for "
-                f"{'those ranks' if ones else 'that rank'} (or the model or loss on its batches) "
-                "gives them: check it on one batch"
-                + ("; or training is diverging: lower --lr" if started else ""))
-        elif not started:  # no step taken: the lr is not the cause
-            await self._fail(
-                f"every worker's first {_DIVERGED_AFTER} updates were not finite (NaN "
-                "or inf), on the initial weights, before any step: the SPEC's model(), "
-                "loss() or data() gives them: check them on one batch")
-        else:  # every worker computes NaN again from the same weights: waiting will not mend it
-            await self._fail(
-                f"training diverged: every worker's last {_DIVERGED_AFTER} updates were "
-                f"not finite (NaN or inf), at version {self.version}: lower --lr, or use "
-                "a larger --batch-size")
+        await self._fail(Diverged(
+            ranks=tuple(bad), window=_DIVERGED_AFTER, waiting=tuple(waiting),
+            version=self.version if self.state is State.TRAINING else None))
 
     async def _answer(
         self, peer: bytes, member: Member, request: int, decisions: list[Decision], now: float,
@@ -1085,25 +1068,14 @@ class Coordinator:
 
     async def _check_phase(self, now: float) -> None:
         if self.state is State.STARTING and now - self._started_at > self.config.join_timeout_s:
-            early = self.metrics.lost
-            gone = (f"; {len(early)} joined and were lost before training began (ranks "
-                    f"{', '.join(str(w['rank']) for w in early)})" if early else "")
-            refused = self.metrics.rejected["handshake"]
-            if refused:
-                gone += (f"; {refused} connection(s) were refused for their keys: start "
-                         "workers with --keys DIR and a key pair in DIR/authorized")
+            waited = self.config.join_timeout_s
             if len(self._members) < self.strategy.workers:
-                await self._fail(
-                    f"only {len(self._members)} of {self.strategy.workers} workers joined "
-                    f"within {self.config.join_timeout_s:.0f} s{gone}: are they started, and "
-                    f"pointed at {self.endpoint}? (--join-timeout waits longer)")
+                await self._fail(JoinTimedOut(
+                    joined=len(self._members), wanted=self.strategy.workers, waited_s=waited,
+                    endpoint=self.endpoint, refused=self.metrics.rejected["handshake"],
+                    lost_early=tuple(w["rank"] for w in self.metrics.lost)))
             else:  # all here, and yet no first version
-                dropped = ", ".join(f"{n} {why}" for why, n in self.metrics.dropped.items() if n)
-                await self._fail(
-                    f"every worker joined, but no version was made within "
-                    f"{self.config.join_timeout_s:.0f} s: "
-                    + (f"their pushes were dropped ({dropped})" if dropped else
-                       "no push came (still loading data? --join-timeout waits longer)"))
+                await self._fail(NoVersionMade(waited_s=waited, dropped=dict(self.metrics.dropped)))
         await self._check_minimum()
         if self.state is State.STOPPING and (len(self._members) == 0 or now > self._stop_deadline):
             if len(self._members):
@@ -1114,15 +1086,13 @@ class Coordinator:
         """Fail the run if fewer workers than the minimum are left in it: at once, as the
         one that leaves goes (a checkpoint then holds the last version of enough workers)."""
         if self.state is State.TRAINING and len(self._members) < self.config.min_workers:
-            why = "; ".join(self._errors) or "the others left or went silent"
-            lost = ", ".join(f"{w['rank']} (at version {w['version']}, {w['phase']})"
-                             for w in self.metrics.lost)
-            left = (f"no worker is left at version {self.version}" if not self._members else
-                    f"{len(self._members)} worker(s) left at version {self.version}, fewer "
-                    f"than the minimum of {self.config.min_workers}")
-            await self._fail(f"{left}: {why}" + (f"; lost: {lost}" if lost else ""))
+            await self._fail(TooFewWorkers(
+                live=len(self._members), minimum=self.config.min_workers, version=self.version,
+                why="; ".join(self._errors) or "the others left or went silent",
+                lost=tuple(f"{w['rank']} (at version {w['version']}, {w['phase']})"
+                           for w in self.metrics.lost)))
 
-    async def _fail(self, why: str) -> None:
+    async def _fail(self, why: str | TrainingError) -> None:
         """End the run with an error: checkpoint (to resume once workers are back), tell the
         workers to stop (so that none waits to reconnect to a coordinator that is not coming
         back), let them leave, then `run` raises TrainingError with `why` (said once, by
@@ -1130,19 +1100,20 @@ class Coordinator:
         self._failing(why)
         async with self._step_lock:
             await self._checkpoint()
-            await self._stop(why)
+            await self._stop(str(why))
 
-    def _failing(self, why: str) -> None:
+    def _failing(self, why: str | TrainingError) -> None:
         """The run fails, for `why`: the stop that follows says so (`_stop_answer`), and
         run() raises it."""
         log.info("failing: %s", why)
-        self._failure = why
+        self._failure = why if isinstance(why, TrainingError) else TrainingError(why)
 
     def _stop_answer(self, request: int) -> Stop:
         """What a request is answered with once stopping: a failure said, as broadcast
         (`_stop`), so that a worker whose answer comes first knows it too."""
         if self._failure is not None:
-            return Stop(request=request, version=self.version, reason="error", detail=self._failure)
+            return Stop(request=request, version=self.version, reason="error",
+                        detail=str(self._failure))
         return Stop(request=request, version=self.version)
 
     @property
@@ -1214,8 +1185,3 @@ class Coordinator:
         member = self._members.get(peer)
         return f"worker {member.rank}" if member else f"peer {peer.hex()}"
 
-
-def _listed(ranks: list[int]) -> str:
-    """Ranks as a sentence says them: 1; 1 and 2; 1, 2 and 3."""
-    words = [str(r) for r in ranks]
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"

@@ -32,8 +32,10 @@ def _python_files() -> list[Path]:
 
 # An import of a folder by its bare name, in code or in a string of code (a test's child
 # program): "import" or "from" or "python -m" followed by one of BARE.
-_BARE_IMPORT = re.compile(r"(?:\bimport|\bfrom|-m[\"', ]+)\s*(?:bus|nodes|strategies|run)\b(?![-\w])"
-                          r"(?=[\s.\"'])(?!\.py)")
+_BARE_IMPORT = re.compile(
+    r"(?:^|[;\"']|\\n)\s*(?:from (?:bus|nodes|strategies|run)(?:\.\w+)* import\b"  # from X import
+    r"|import (?:bus|nodes|strategies|run)(?:\.\w+)*\s*(?:$|[;,\"'\\]))"  # import X.y
+    r"|-m[\"', ]+(?:bus|nodes|strategies|run)\b(?![-\w])")  # python -m X: the module
 
 
 @pytest.mark.timeout(30)
