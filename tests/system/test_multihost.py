@@ -30,7 +30,7 @@ import pytest
 from cluster import LIVENESS, QUIET, ROOT, TIMEOUT_S, Cluster, steps, version
 from netns import COORDINATOR_ADDRESS, Network, network, worker_address
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.netns]
 
 # Each namespace is new and empty: any port is free in it.
 PORT = 5555
