@@ -10,9 +10,10 @@ The public names below are imported when first used, not with the package, so th
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
+
+from tensorbus.bus import lazy
 
 try:
     __version__: str = importlib.metadata.version("tensorbus")
@@ -136,11 +137,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tensorbus' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value  # found once, then an ordinary attribute
-    return value
+    return lazy.attribute(__name__, _WHERE, name)
 
 
 def __dir__() -> list[str]:

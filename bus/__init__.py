@@ -5,8 +5,9 @@ Knows nothing of training: it moves typed messages with flat tensors between nod
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from tensorbus.bus import lazy
 
 # Imported when first used, not with the package: the command line reads the wire's
 # version (bus.protocol) and the configs without importing torch.
@@ -44,8 +45,4 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tensorbus.bus' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+    return lazy.attribute(__name__, _WHERE, name)

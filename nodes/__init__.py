@@ -6,8 +6,9 @@ broadcast, allgather, barrier over a rendezvous: see nodes.collectives)."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from tensorbus.bus import lazy
 
 # Imported when first used, not with the package: the command line reads the wire's
 # version (bus.protocol) and the configs without importing torch.
@@ -57,8 +58,4 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tensorbus.nodes' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+    return lazy.attribute(__name__, _WHERE, name)

@@ -7,8 +7,9 @@ torch, so that an interrupt while torch is being imported still ends in one line
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from tensorbus.bus import lazy
 
 _WHERE = {"LocalRunError": "local", "launch_local": "local", "RunOptions": "options",
           "Shards": "shards", "Spec": "spec", "SpecError": "spec", "load_spec": "spec"}
@@ -17,6 +18,4 @@ __all__ = ["LocalRunError", "RunOptions", "Shards", "Spec", "SpecError", "launch
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tensorbus.run' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    return lazy.attribute(__name__, _WHERE, name)
