@@ -29,7 +29,7 @@ from tensorbus.bus.security import load_client_keys, load_server_keys, make_keys
 from tensorbus.bus.transport import is_loopback, new_event_loop, split_endpoint
 from tensorbus.nodes.checkpoint import CheckpointError
 from tensorbus.nodes.config import CoordinatorConfig, WorkerConfig
-from tensorbus.nodes.coordinator import TrainingError
+from tensorbus.nodes.failures import TrainingError
 from tensorbus.nodes.link import RunFailedError
 from tensorbus.nodes.metrics import MetricsError
 from tensorbus.nodes.relay import Relay
