@@ -145,7 +145,9 @@ class Welcome(Message):
 @dataclass(frozen=True, kw_only=True)
 class Ready(Message):
     KIND = Kind.READY
-    batches: int  # batches per epoch of this worker's shard; -1 if unknown
+    # Batches per epoch of this worker's shard; -1: not known yet (its pushes say it once its
+    # first pass has ended); -2: never (a relay: its workers' data is theirs).
+    batches: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +162,7 @@ class Push(Message):
     compute_s: float = 0.0  # time computing this update (data, forward, backward, steps)
     comm_s: float = 0.0  # since the previous compute ended: sending, receiving, loading weights
     wait_s: float = 0.0  # since the previous compute ended: held back, waiting for a version
+    batches: int = -1  # batches per epoch of its shard, once known (see Ready)
 
 
 @dataclass(frozen=True, kw_only=True)

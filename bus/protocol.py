@@ -12,8 +12,9 @@ from typing import Final
 # 2: pushes carry telemetry, acks the time held; 3: chunked tensors; 4: Changes;
 # 5: tensors by reference (bus.shared) and the Welcome's offer of them; 6: broadcasts
 # under a topic frame, a version's weights by reference too (Weights.generation); 7: segment
-# names carry their creator's start time (bus.shared.sweep); 8: the Welcome's seed
-PROTOCOL_VERSION: Final = 8
+# names carry their creator's start time (bus.shared.sweep); 8: the Welcome's seed; 9: a
+# push says its shard's length once known (data() without len())
+PROTOCOL_VERSION: Final = 9
 
 
 def _build() -> str:

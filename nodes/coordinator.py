@@ -482,10 +482,12 @@ class Coordinator:
                 decisions = self.strategy.handle(Joined(member.rank, now))
                 await self._answer(peer, member, message.request, decisions, now, push=False)
                 await self._carry_out(decisions)
-            case Push():
+            case Push(batches=batches):
                 # Fresher than its last beat (beats come every heartbeat_s): for the status.
                 member.phase = Phase.PUSHING.value
                 member.version = max(member.version, message.version)
+                if batches > 0 and member.batches == -1:  # its first pass over: its length
+                    member.batches = batches
                 await self._push(peer, member, message, now)
             case Pull(version=have):
                 await self._refresh_snapshot()
@@ -859,17 +861,19 @@ class Coordinator:
             self.master.let_go(self._fold.into)
             self._fold = None
 
-    def _epochs_to_samples(self) -> int:
-        """--epochs as samples to apply: passes over the shards of the workers ready now."""
+    def _epochs_to_samples(self) -> int | None:
+        """--epochs as samples to apply: passes over the shards of the workers ready now;
+        None while a shard's length is not known (data() without len(): its worker says
+        it once its first pass has ended)."""
         epochs = self.config.epochs
         assert epochs is not None  # config guarantees steps or epochs
         batches = [m.batches for m in self._members if m.ready]
-        if not batches or min(batches) < 1:
+        if not batches or min(batches) == -2:
             raise TrainingError(
-                "--epochs counts passes over every member's batches, and a member did not "
-                "say how many it has: data() must return a sized iterable (with len()), and "
-                "a relay never says (its workers' data is theirs); use --steps"
-            )
+                "--epochs counts passes over every member's batches, and a relay never says "
+                "how many its workers have (their data is theirs): use --steps")
+        if min(batches) < 1:
+            return None
         samples = epochs * sum(batches) * self.config.batch_size
         log.info("%d epoch(s) over %d workers' %d batches: %d samples",
                  epochs, len(batches), sum(batches), samples)

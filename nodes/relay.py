@@ -119,7 +119,7 @@ class Relay(Coordinator):
             helpers.append(asyncio.create_task(self._follow()))
             # Counted in at the root's start gate at once; the first forward waits for it.
             self._ready = asyncio.create_task(link.request(
-                Ready(sender=self.rank, version=link.version, batches=-1), patient=True))
+                Ready(sender=self.rank, version=link.version, batches=-2), patient=True))
             self.phase = Phase.COMPUTING
             served = True  # run() closes the local sockets
             return await super().run(before_evaluate=before_evaluate)

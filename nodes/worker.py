@@ -307,7 +307,8 @@ class Worker:
             seed_generators(welcome.seed, self.rank)  # before data(), which may shuffle
             shards = await self._off_loop(self._load, welcome)
             self._batches = _Epochs(shards, self._describe_data(welcome),
-                                    anew=_on_loop(asyncio.get_running_loop()))
+                                    anew=_on_loop(asyncio.get_running_loop()),
+                                    again=functools.partial(self._load, welcome))
             self._again = None
             await self._off_loop(self._batches.skip, welcome.position)
             self._shard = shard
@@ -453,9 +454,11 @@ class Worker:
             loss, samples = compute.result()
         else:
             loss, samples = self._forward
+        assert self._batches is not None
         push = Push(sender=self.rank, version=version, clock=clock, loss=loss,
                     samples=samples, tensors=part, began=began,
-                    compute_s=time.monotonic() - started, comm_s=comm_s, wait_s=wait_s)
+                    compute_s=time.monotonic() - started, comm_s=comm_s, wait_s=wait_s,
+                    batches=self._batches.length)
         return await link.request_tracked(push, patient=True, refer=refer)
 
     def _make_outbox(self, compression: Compression, weights: bool, *, shared: bool) -> Outbox:
@@ -760,29 +763,42 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> Callable[[Iterable[Any]], Itera
 
 
 class _Epochs:
-    """Batches from a re-iterable shard, epoch after epoch, checked for shape; each epoch's
-    iterator made by `anew` (by default, here: see _on_loop)."""
+    """Batches of this rank's shard, epoch after epoch, checked for shape.
+
+    Each epoch is a new iter() of what data() returned (made by `anew`: see _on_loop), or,
+    where that was an iterator read only once (a generator), of what data() returns when
+    called again (`again`). A shard without len() learns its length when its first pass
+    ends: the batch after the last is read ahead, so that the push of the last one says it.
+    """
 
     def __init__(self, shards: Iterable[Any], described: str,
-                 anew: Callable[[Iterable[Any]], Iterator[Any]] = iter) -> None:
+                 anew: Callable[[Iterable[Any]], Iterator[Any]] = iter,
+                 again: Callable[[], Iterable[Any]] | None = None) -> None:
         self._shards = shards
         self._described = described
         self._anew = anew
-        try:
-            self._it: Iterator[Any] = anew(shards)
-        except TypeError:
-            raise DataError(f"{described} returned {type(shards).__name__}, not an iterable of "
-                            "(input, target) batches: return a list of them, or a DataLoader"
-                            ) from None
+        self._again = again
+        self._once = isinstance(shards, Iterator)  # read once: a generator, say
+        self._it = self._begin(shards)
         self._taken = False  # whether a pass has yielded a batch yet
-        self.length = len(shards) if isinstance(shards, Sized) else -1  # -1: unknown
+        self.length = len(shards) if isinstance(shards, Sized) else -1  # -1: unknown yet
         self.position = 0  # batches taken since the first
+        self._in_pass = 0  # batches taken of the pass under way
+        self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # read ahead, not taken
+
+    def _begin(self, shards: Iterable[Any]) -> Iterator[Any]:
+        try:
+            return self._anew(shards)
+        except TypeError:
+            raise DataError(f"{self._described} returned {type(shards).__name__}, not an iterable "
+                            "of (input, target) batches: return a list of them, or a DataLoader"
+                            ) from None
 
     def skip(self, batches: int) -> None:
         """Move `batches` on from the start: where a restarted run left this shard. Whole
         epochs of a sized shard are skipped by starting the next one (each iter() of a
         SPEC's data may be a new epoch order) without reading their batches."""
-        if self.length > 0:
+        if self.length > 0 and not self._once:
             for _ in range(batches // self.length):
                 self._it = self._anew(self._shards)
             self.position = batches - batches % self.length
@@ -790,11 +806,27 @@ class _Epochs:
             self.next()
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self._ahead if self._ahead is not None else self._read()
+        assert batch is not None  # (only a read `or_end` gives None)
+        self._ahead = None
+        self.position += 1
+        self._in_pass += 1
+        if self.length < 0:  # read ahead: is this the last batch of its pass?
+            self._ahead = self._read(or_end=True)
+            if self._ahead is None:  # it is: the pass's length is known now
+                self.length = self._in_pass
+        return batch
+
+    def _read(self, *, or_end: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next batch, the next pass begun if this one is over; with `or_end`, None
+        where this pass is over (the next one is begun when its first batch is read)."""
         try:
             try:
                 batch = next(self._it)
             except StopIteration:
-                self._it = self._anew(self._shards)
+                if or_end:
+                    return None
+                self._new_pass()
                 batch = next(self._it)
         except StopIteration:
             if self._taken:  # its first pass had batches, and the next none
@@ -802,18 +834,29 @@ class _Epochs:
                     f"{self._described} yielded no batches on its second pass: a generator "
                     "or an iterator is read only once, and each epoch reads the data again: "
                     "return something that iterates anew (a list, a DataLoader, or a class "
-                    "with __iter__)") from None
+                    "with __iter__), or make data() a generator function") from None
             raise DataError(f"{self._described} yielded no batches: every rank needs at least "
                             "one; use fewer workers, a smaller --batch-size, or more data") from None
+        except DataError:
+            raise
         except Exception as e:
             raise DataError(f"iterating {self._described} raised {type(e).__name__}: {e}") from e
-        self.position += 1
         self._taken = True
         if not (isinstance(batch, tuple | list) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
             raise DataError(f"{self._described} must yield (input, target) tensor pairs, "
                             f"got {type(batch).__name__}")
         return batch[0], batch[1]
+
+    def _new_pass(self) -> None:
+        """Begin the next epoch: a new iter() of the shard, or of what data() returns when
+        called again, where the shard was an iterator that is read once."""
+        if self.length < 0:
+            self.length = self._in_pass
+        self._in_pass = 0
+        if self._once and self._again is not None:
+            self._shards = self._again()
+        self._it = self._begin(self._shards)
 
 
 class _NotALoss(Exception):

@@ -47,6 +47,8 @@ class ProgressLine:
             eta = spent * (1 - done) / gained if gained > 0 else float("nan")
             of = f"/{p.target}" if p.target else ""
             line = f"[{bar:<24}] v{p.version}{of} {done:.0%}  eta {_clock(eta)}"
+        elif p.target is None:  # epochs of shards without len(): known after a first pass
+            line += " (total unknown until each worker's first pass ends)"
         line += f"  {rate:.1f} steps/s  {sample_rate:.0f} samples/s"
         line += f"  loss {p.loss:.4f}"
         if self._tty:

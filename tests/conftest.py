@@ -4,6 +4,9 @@
   one event loop, real ZeroMQ on loopback; system: real processes; gpu: needs a GPU), and
   `@pytest.mark.system` marks a test that starts processes in another folder. A unit or
   integration test has at most UNIT_TIMEOUT_S.
+- `@pytest.mark.exclusive`: a test whose figures depend on having the machine to itself (a
+  pace, a redo count) runs while no other test of the session does: the session's test
+  processes (pytest-xdist) hold a shared lock for each test, such a test the exclusive one.
 - One torch thread per process (the CI machine has 2 cores).
 - A check that the suite leaves no shared-memory segment behind (bus.shared): a file whose
   creator is gone would stay in /dev/shm until the next sweep. Only segments of processes
@@ -11,8 +14,13 @@
   user's beside the suite (its creators alive) is not the suite's.
 """
 
+import contextlib
+import fcntl
 import gc
+import os
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,3 +71,38 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print(f"\nshared-memory segments of processes that are gone left behind in {_SHM}: "
               f"{names}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _lock_folder() -> Path:
+    """One folder for the session's test processes: xdist's workers share its run id."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"serial-{os.getpid()}")
+    folder = Path(tempfile.gettempdir()) / f"tensorbus-tests-{run}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _locked(path: Path, mode: int) -> Iterator[None]:
+    with path.open("a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _machine(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A shared hold on the machine for each test, an exclusive one for `exclusive` tests.
+    Writers first: an exclusive test closes the gate, so that no test begins after it
+    asked, then waits for those under way to end."""
+    folder = _lock_folder()
+    gate, machine = folder / "gate", folder / "machine"
+    if request.node.get_closest_marker("exclusive") is not None:
+        with _locked(gate, fcntl.LOCK_EX), _locked(machine, fcntl.LOCK_EX):
+            yield
+    else:
+        with _locked(gate, fcntl.LOCK_SH):
+            pass
+        with _locked(machine, fcntl.LOCK_SH):
+            yield

@@ -179,6 +179,7 @@ def _rewrite_first_set(worker: Worker, coordinator: Coordinator) -> None:
     worker._batches_next = rewriting  # type: ignore[method-assign]
 
 
+@pytest.mark.exclusive  # its figures need the machine to itself
 def test_sync_loads_every_version_by_reference_with_the_bits_of_bytes() -> None:
     before = _ours()
     want, plain, _, none = _train(Sync(workers=2), shared=False)
@@ -215,6 +216,7 @@ def test_async_loads_versions_by_reference_and_makes_no_set_a_version() -> None:
     assert _ours() == before
 
 
+@pytest.mark.exclusive  # its figures need the machine to itself
 def test_a_compute_on_a_set_written_meanwhile_is_done_again_on_a_copy_with_the_same_batch() -> None:
     before = _ours()
     want, _, _, _ = _train(Sync(workers=2), shared=False)
@@ -234,6 +236,7 @@ def test_a_compute_on_a_set_written_meanwhile_is_done_again_on_a_copy_with_the_s
     assert _ours() == before
 
 
+@pytest.mark.exclusive  # its figures need the machine to itself
 def test_async_with_a_worker_slower_than_the_sets_are_reused_redoes_few_computes() -> None:
     before = _ours()
     weights, reports, _, in_place = _train(Async(workers=2), shared=True, steps=60, slow_s=0.03)

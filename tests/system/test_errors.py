@@ -237,12 +237,6 @@ _MISTAKES = {
         "def data(rank, world_size, batch_size):\n    return None\n",
         ("SPEC {spec}: data(rank={rank}, world_size=2, batch_size=64) returned NoneType, not an "
          "iterable of (input, target) batches: return a list of them, or a DataLoader")),
-    "data-generator": (
-        ("_data = data\n\n\ndef data(rank, world_size, batch_size):\n"
-         "    return (b for b in _data(rank, world_size, batch_size))\n"),
-        ("data(rank={rank}, world_size=2, batch_size=64) yielded no batches on its second pass: "
-         "a generator or an iterator is read only once, and each epoch reads the data again: "
-         "return something that iterates anew (a list, a DataLoader, or a class with __iter__)")),
     "loss-per-sample": (
         ("import torch.nn.functional as F\n\n\ndef loss(output, target):\n"
          "    return F.cross_entropy(output, target, reduction='none')\n"),

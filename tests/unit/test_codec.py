@@ -154,7 +154,8 @@ SAMPLES = {
                           seed=3, tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
-                    began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, tensors=WEIGHTS),
+                    began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14,
+                    tensors=WEIGHTS),
     Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
     Kind.PULL: Pull(sender=3, request=14, version=6),
     Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, generation=3, tensors=WEIGHTS),
@@ -210,7 +211,7 @@ def test_header_is_the_documented_map():
         "v": 7,
         "t": [["float32", [6], 24, CHUNK_BYTES], ["int64", [3], 24, CHUNK_BYTES]],
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
-              "comm_s": 0.003, "wait_s": 0.01},
+              "comm_s": 0.003, "wait_s": 0.01, "batches": 14},
     }
     assert len(frames) == 3
 
@@ -380,7 +381,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 9, -1, 255, "8", None, [8]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, -1, 255, "9", None, [9]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
