@@ -102,14 +102,20 @@ def _new_name() -> str:
 
 
 def _started(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot; None if there is none."""
+    """When process `pid` started, in clock ticks since boot; None if there is none, or
+    if it has ended and waits to be reaped (a zombie: it can unlink nothing)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat_line = f.read()
     except OSError:
         return None
-    # Field 22; the command name (field 2) may hold spaces and parentheses: count after it.
-    return int(stat_line[stat_line.rindex(b")") + 2:].split()[19])
+    # The command name (field 2) may hold spaces and parentheses: count after it. A killed
+    # worker whose launcher died too is reparented to PID 1, which in a container may
+    # never reap it: its /proc entry stays, state Z, with its start time.
+    fields = stat_line[stat_line.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22
 
 
 def creator_alive(name: str) -> bool:

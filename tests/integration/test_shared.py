@@ -143,6 +143,27 @@ def test_a_killed_creators_segment_is_unlinked_by_the_next_sweep() -> None:
     assert not path.exists()
 
 
+@pytest.mark.system  # it starts a process
+def test_a_creator_that_ended_but_is_not_reaped_is_gone() -> None:
+    """A killed worker whose launcher died too waits for PID 1 to reap it, which in a
+    container may never come: its /proc entry stays (a zombie), and its segments must go."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        stat = Path(f"/proc/{child.pid}/stat").read_bytes()
+        start = int(stat[stat.rindex(b")") + 2:].split()[19])
+        name = f"tensorbus-{child.pid}-{start}-{'0' * 16}"
+        assert creator_alive(name)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_bytes().split(b") ")[1][:1] != b"Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not creator_alive(name)  # (not reaped yet: the entry is still there)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_sweep_spares_live_creators_and_knows_a_reused_pid() -> None:
     """A live process's segment stays; one named with a live pid but another start time
     (its creator is gone, and the pid was taken since) goes."""
