@@ -74,9 +74,15 @@ NOT_CONNECTED: Final = (
 
 
 class ServerTransport(Protocol):
+    """What a coordinator needs of its sockets; made by a `ServerFactory` (ZmqServer, or
+    bus.memory's for one-loop tests)."""
+
     endpoint: str
+    inproc_endpoint: str  # "" without a hub
     pub_port: int
 
+    @property
+    def rejected(self) -> int: ...  # connections refused for their keys
     async def recv(self) -> tuple[bytes, list[memoryview]]: ...
     async def send(self, peer: bytes, frames: Frames) -> Tracker | None: ...
     async def publish(self, frames: Frames, topic: bytes = TOPIC_ALL) -> Tracker | None: ...
@@ -85,11 +91,24 @@ class ServerTransport(Protocol):
 
 
 class ClientTransport(Protocol):
+    """What a worker's link needs of its sockets; made by a `ClientFactory`."""
+
+    def connection_problem(self) -> str | None: ...
     def subscribe(self, pub_port: int, *, shared: bool = False) -> None: ...
     async def send(self, frames: Frames) -> Tracker | None: ...
     async def recv(self) -> list[memoryview]: ...
     async def recv_broadcast(self) -> list[memoryview]: ...
     def close(self) -> None: ...
+
+
+class ServerFactory(Protocol):
+    def __call__(self, bind: str, *, max_message_bytes: int, pub_port: int | None = None,
+                 keys: ServerKeys | None = None, hub: Hub | None = None) -> ServerTransport: ...
+
+
+class ClientFactory(Protocol):
+    def __call__(self, connect: str, *, max_message_bytes: int, keys: ClientKeys | None = None,
+                 hub: Hub | None = None) -> ClientTransport: ...
 
 
 class Hub:

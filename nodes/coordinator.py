@@ -17,7 +17,6 @@ import enum
 import functools
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from tensorbus.bus.buffers import SendBuffers, Tracker
+from tensorbus.bus.clock import SYSTEM_CLOCK, Clock
 from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.layout import Compression
@@ -49,7 +49,14 @@ from tensorbus.bus.messages import (
 )
 from tensorbus.bus.pieces import Received, all_finite
 from tensorbus.bus.shared import Gallery, Probe, SharedTensorError, Shelf, sweep
-from tensorbus.bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, Hub, ZmqServer
+from tensorbus.bus.transport import (
+    TOPIC_SHARED,
+    TOPIC_WEIGHTS,
+    Hub,
+    ServerFactory,
+    ServerTransport,
+    ZmqServer,
+)
 from tensorbus.nodes import changes as changed
 from tensorbus.nodes import checkpoint
 from tensorbus.nodes.config import CoordinatorConfig
@@ -153,13 +160,17 @@ class Coordinator:
         hub: Hub | None = None,
         pool: SendBuffers | None = None,
         gallery: Gallery | None = None,
+        transport: ServerFactory = ZmqServer,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
         (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
         sets versions are made and published in (by default its own; a colocated shard's
         are shared with its worker: nodes.handover). `gallery`: where the given pool's
         sets lie in shared memory (without a pool, with `config.shared_memory`, this
-        coordinator's own sets do: bus.shared.Gallery); it is closed when the run ends."""
+        coordinator's own sets do: bus.shared.Gallery); it is closed when the run ends.
+        `transport` makes the sockets (bus.memory's for one-loop tests); `clock` is read
+        for every deadline and record (bus.clock)."""
         if isinstance(model, ShardModel) and config.eval_every_s:
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
@@ -168,6 +179,8 @@ class Coordinator:
         self.strategy = strategy
         self.config = config
         self._hub = hub
+        self._transport = transport
+        self._clock = clock
         self.flat = FlatModel(model)
         self.lr = lr  # handed to workers that own their optimizers
         weights_pushed = strategy.rhythm.push is PushKind.WEIGHTS
@@ -212,7 +225,7 @@ class Coordinator:
         self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
         self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
         self._max_bytes = self.flat.layout.nbytes + 65536
-        self._server: ZmqServer | None = None
+        self._server: ServerTransport | None = None
         # Workers on this host push by reference (bus.shared): the proof of our /dev/shm
         # we offer them, and the segments of theirs we read from.
         self._probe: Probe | None = None
@@ -272,7 +285,7 @@ class Coordinator:
     def bind(self) -> str:
         """Bind the sockets now (so that the endpoint is known); `run` binds if not done."""
         if self._server is None:
-            self._server = ZmqServer(
+            self._server = self._transport(
                 self.config.bind, max_message_bytes=self._max_bytes, pub_port=self.config.pub_port,
                 keys=self.config.keys, hub=self._hub,
             )
@@ -302,7 +315,7 @@ class Coordinator:
             if self.master.alias:
                 self.flat.rebind(self.master.copy())
         self._done = asyncio.get_running_loop().create_future()
-        self._started_at = time.monotonic()
+        self._started_at = self._clock.monotonic()
         try:
             if self.config.resume:
                 self._resume()
@@ -376,7 +389,7 @@ class Coordinator:
         if member is None or self._done is None or self._done.done():
             return False
         await self._depart(member, why, lost=True)
-        await self._carry_out(self.strategy.handle(Left(rank, time.monotonic())))
+        await self._carry_out(self.strategy.handle(Left(rank, self._clock.monotonic())))
         return True
 
     def request_stop(self, why: str, *, at_version: int | None = None, quiet: bool = False) -> None:
@@ -422,7 +435,7 @@ class Coordinator:
         log.info("%s -> %s: %s", self.state.value, state.value, why)
         self.state = state
         if state is State.STOPPING:
-            self._stop_deadline = time.monotonic() + self.config.stop_timeout_s
+            self._stop_deadline = self._clock.monotonic() + self.config.stop_timeout_s
             if self._stop_timer is not None:  # stopping anyway: no later stop to begin
                 self._stop_timer.cancel()
             self.metrics.training_ended()
@@ -456,7 +469,7 @@ class Coordinator:
             del frames, message
 
     async def _dispatch(self, peer: bytes, message: Message) -> None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if isinstance(message, Join):
             await self._join(peer, message, now)
             return
@@ -593,7 +606,7 @@ class Coordinator:
                              and self._shelf.holds(message.tensors[0]))
         if by_reference:
             self.metrics.worker(member.rank)["by_reference"] += 1
-        self.watch.pushed(member.rank, message, time.time())
+        self.watch.pushed(member.rank, message, self._clock.wall())
         dropped = ""
         for decision in decisions:
             match decision:
@@ -666,7 +679,7 @@ class Coordinator:
 
     async def _unpark(self, workers: Iterable[int], *, stop: Stop | None = None) -> None:
         """Answer the requests of `workers` held back: with an Ack, or with `stop`."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         for rank in workers:
             parked = self._parked.pop(rank, None)
             if parked is None:
@@ -674,7 +687,7 @@ class Coordinator:
             held_s = now - parked.since
             if parked.push:
                 self.metrics.worker(rank)["held_s"] += held_s
-                self.watch.answered(rank, held_since=time.time() - held_s)
+                self.watch.answered(rank, held_since=self._clock.wall() - held_s)
             answer: Message = (replace(stop, request=parked.request) if stop is not None
                                else Ack(request=parked.request, version=self.version, held_s=held_s))
             await self._reply(parked.peer, answer)
@@ -711,7 +724,7 @@ class Coordinator:
     async def _apply_locked(self, decision: Apply, held: list[_Held]) -> None:
         if self._target is None and self._target_samples is None:
             self._target_samples = self._epochs_to_samples()
-        started = time.time()
+        started = self._clock.wall()
         await self._update([h.tensors for h in held], decision.scale,
                            loss=sum(h.loss for h in held) / len(held),
                            samples=sum(h.samples for h in held), ranks=decision.workers)
@@ -731,7 +744,7 @@ class Coordinator:
         self.metrics.step(self.version, loss, samples, decision.workers, staleness)
         if self.state is State.STARTING:
             self._enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
-        started = time.time()
+        started = self._clock.wall()
         await self._publish()
         self.watch.span("broadcast", started, version=self.version)
         for member in self._members:  # released from the barrier by this version
@@ -907,11 +920,11 @@ class Coordinator:
         directory = self.config.checkpoint_dir
         if directory is None or self.version == 0:
             return
-        started, wall = time.monotonic(), time.time()
+        started, wall = self._clock.monotonic(), self._clock.wall()
         path = await asyncio.to_thread(checkpoint.save, directory, self.checkpoint_state())
         self.watch.span("checkpoint", wall, version=self.version)
         self.metrics.write("checkpoint", version=self.version, path=str(path),
-                           seconds=round(time.monotonic() - started, 6))
+                           seconds=round(self._clock.monotonic() - started, 6))
         self.metrics.checkpoint = str(path)
         log.info("checkpoint of version %d written to %s", self.version, path)
 
@@ -964,9 +977,9 @@ class Coordinator:
     async def _publish_later(self) -> None:
         # Not for longer than a heartbeat: a stopped subscriber's queue may hold the last
         # broadcast until the PUB drops it, and the others must not wait on that.
-        delay, until = 0.0002, time.monotonic() + self.config.heartbeat_s
+        delay, until = 0.0002, self._clock.monotonic() + self.config.heartbeat_s
         while (self._broadcast is not None and not self._broadcast.done
-               and time.monotonic() < until):
+               and self._clock.monotonic() < until):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.001)
         async with self._step_lock:  # never copy weights that a step is writing
@@ -1030,7 +1043,7 @@ class Coordinator:
     def _warn(self, peer: bytes, code: str, text: str) -> None:
         """Log a rejection, at most once a peer, code and 10 s: a hostile or confused peer
         must not flood the log (every rejection is counted in the summary anyway)."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if now - self._warned.get((peer, code), -math.inf) >= 10.0:
             self._warned[(peer, code)] = now
             log.warning("%s (further ones like it from this peer: counted, not logged, for 10 s)", text)
@@ -1041,7 +1054,7 @@ class Coordinator:
         assert self._server is not None
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            now = time.monotonic()
+            now = self._clock.monotonic()
             await self._server.publish(encode(Heartbeat(version=self.version, phase=self.state.value)))
             for member in self._members.silent(now, self.config.timeout_s):
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
@@ -1165,7 +1178,7 @@ class Coordinator:
 
     def status(self) -> Status:
         """What the run and each live worker are doing now (the status table)."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         rows = []
         for member in sorted(self._members, key=lambda m: m.rank):
             parked = self._parked.get(member.rank)

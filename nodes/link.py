@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import logging
 import math
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -35,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from tensorbus.bus.buffers import Tracker
+from tensorbus.bus.clock import SYSTEM_CLOCK, Clock
 from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.deadline import within
 from tensorbus.bus.errors import (
@@ -64,7 +64,14 @@ from tensorbus.bus.messages import (
 from tensorbus.bus.pieces import copy_into
 from tensorbus.bus.security import ClientKeys
 from tensorbus.bus.shared import Probe, Ref, Shelf
-from tensorbus.bus.transport import HANDSHAKE_MECHANISM, HANDSHAKE_REFUSED, Hub, ZmqClient
+from tensorbus.bus.transport import (
+    HANDSHAKE_MECHANISM,
+    HANDSHAKE_REFUSED,
+    ClientFactory,
+    ClientTransport,
+    Hub,
+    ZmqClient,
+)
 from tensorbus.nodes import changes as changed
 
 log = logging.getLogger("tensorbus.worker")
@@ -116,18 +123,23 @@ class Link:
         keys: ClientKeys | None = None,
         hub: Hub | None = None,
         probe: str = "",
+        transport: ClientFactory = ZmqClient,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """`probe`: the worker's bus.shared.Probe offer, named in its Join ("": it pushes
-        bytes only)."""
+        bytes only). `transport` makes the sockets; `clock` is read for every deadline."""
         self.endpoint = endpoint
         self._probe = probe
         self._hub = hub
+        self._transport = transport
+        self._clock = clock
         self.layout = shard.layout
         self._weights = weights  # this shard's views of the worker's flat weights
         self._owner = owner
         self._keys = keys
-        self._client: ZmqClient | None = None
+        self._client: ClientTransport | None = None
         self._receiving: asyncio.Task[None] | None = None
+        self._broken: RuntimeError | None = None  # why the receive loop died, if it did
         self._requests = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self.version = 0  # the version of this shard's weights in the model now
@@ -159,9 +171,22 @@ class Link:
         return f"coordinator at {self.endpoint}"
 
     def open(self) -> None:
-        self._client = ZmqClient(self.endpoint, max_message_bytes=self.layout.nbytes + 65536,
+        self._client = self._transport(self.endpoint, max_message_bytes=self.layout.nbytes + 65536,
                                  keys=self._keys, hub=self._hub)
         self._receiving = asyncio.create_task(self._replies())
+        self._receiving.add_done_callback(self._replies_ended)
+
+    def _replies_ended(self, task: asyncio.Task[None]) -> None:
+        """A receive loop that died of a bug would leave every request to time out, and a
+        join to retry until its deadline: fail them at once, with the cause."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._broken = RuntimeError(f"worker {self._owner.rank}: receiving answers from the "
+                                    f"{self.peer} failed: {task.exception()!r}")
+        self._broken.__cause__ = task.exception()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(self._broken)
 
     async def close(self) -> None:
         if self._receiving is not None:
@@ -175,21 +200,22 @@ class Link:
     async def join(self, rank: int, within_s: float, what: str, *, any_rank: bool) -> Welcome:
         """Ask to join as `rank` until admitted, refused, or `within_s` has passed, backing
         off; with `any_rank`, take any rank when that one went to another worker."""
-        deadline = time.monotonic() + within_s
+        deadline = self._clock.monotonic() + within_s
         wait = 1.0
-        say_at = time.monotonic() + JOIN_SAY_S  # say once that nobody answers yet
+        say_at = self._clock.monotonic() + JOIN_SAY_S  # say once that nobody answers yet
         while True:
             join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD,
                         shared=self._probe)
             try:
-                reply = await self.request(join, timeout=min(wait, max(deadline - time.monotonic(), 0.1)))
+                left = max(deadline - self._clock.monotonic(), 0.1)
+                reply = await self.request(join, timeout=min(wait, left))
             except PeerTimeoutError:
                 problem = self._client.connection_problem() if self._client else None
                 if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM):
                     raise HandshakeError(self.peer, problem) from None  # waiting will not mend it
-                if time.monotonic() >= deadline:
+                if self._clock.monotonic() >= deadline:
                     raise PeerTimeoutError(self.peer, what, within_s, problem or "") from None
-                if time.monotonic() >= say_at:
+                if self._clock.monotonic() >= say_at:
                     say_at = math.inf
                     who = f"worker {rank}" if rank >= 0 else "a worker (any rank)"
                     log.warning("%s: no answer to its %s from the %s yet (%s); trying "
@@ -212,7 +238,7 @@ class Link:
             self.heartbeat_s, self.timeout_s = reply.heartbeat_s, reply.timeout_s
             # Past the coordinator's own liveness timeout, a missing answer means it is gone.
             self._request_timeout_s = min(self._config_request_timeout_s, reply.timeout_s)
-            self.seen = time.monotonic()
+            self.seen = self._clock.monotonic()
             self._announced_port = reply.pub_port
             # In process, frames go by reference already (inproc, zero copy).
             self.shared = (bool(reply.shared and self._probe)
@@ -384,7 +410,7 @@ class Link:
                 quiet = False
             except TimeoutError:
                 quiet = True
-            silent = time.monotonic() - self.seen
+            silent = self._clock.monotonic() - self.seen
             if silent > self.timeout_s:
                 raise PeerTimeoutError(self.peer, f"version {newer_than + 1}", silent)
             have = self.newest()
@@ -446,6 +472,8 @@ class Link:
         timeout), or, if `patient`, for as long as the coordinator keeps beating. Tensors
         that `refer` places go by reference (bus.shared), the others as frames."""
         assert self._client is not None
+        if self._broken is not None:
+            raise self._broken
         request = next(self._requests)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[request] = future
@@ -480,13 +508,13 @@ class Link:
             done, _ = await asyncio.wait({future}, timeout=self.heartbeat_s)
             if done:
                 return future.result()
-            silent = time.monotonic() - self.seen
+            silent = self._clock.monotonic() - self.seen
             if silent > self.timeout_s:
                 raise PeerTimeoutError(self.peer, waiting_for, silent)
 
     async def leave(self, reason: str, detail: str) -> None:
         """Say goodbye, briefly: the coordinator may already be gone."""
-        if not self.joined or time.monotonic() - self.seen > self.timeout_s:
+        if not self.joined or self._clock.monotonic() - self.seen > self.timeout_s:
             return  # never a member (stopped while joining), or it is gone: nobody to tell
         try:
             await self.request(Leave(sender=self._owner.rank, version=self.version, reason=reason,
@@ -497,7 +525,7 @@ class Link:
     # Receiving -----------------------------------------------------------------------------
 
     def _heard(self, message: Message) -> None:
-        self.seen = time.monotonic()
+        self.seen = self._clock.monotonic()
         self._coordinator_version = max(self._coordinator_version, message.version)
 
     async def _replies(self) -> None:
@@ -603,7 +631,7 @@ class Link:
         """
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            silent = time.monotonic() - self.seen
+            silent = self._clock.monotonic() - self.seen
             if silent > self.timeout_s + self.heartbeat_s:
                 owner = self._owner
                 self._owner.end_session(PeerTimeoutError(

@@ -28,7 +28,6 @@ import logging
 import math
 import random
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
@@ -38,11 +37,12 @@ import torch
 from torch import nn
 
 from tensorbus.bus.buffers import Tracker, wait_sent
+from tensorbus.bus.clock import SYSTEM_CLOCK, Clock, working
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Ack, Message, Phase, Push, Ready, RejectCode, Weights, Welcome
 from tensorbus.bus.shared import Arena, Probe, Ref, Shelf, sweep
-from tensorbus.bus.transport import Hub
+from tensorbus.bus.transport import ClientFactory, Hub, ZmqClient
 from tensorbus.nodes.compute import ComputeThread
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.flat import FlatModel
@@ -97,13 +97,17 @@ class Worker:
         optimizer: OptimizerFactory | None = None,
         hub: Hub | None = None,
         handover: Handover | None = None,
+        transport: ClientFactory = ZmqClient,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, needed for an inproc:// endpoint
         (the coordinator shard this worker hosts: see nodes.colocated). `handover`: the
         weight sets that shard makes its versions in, for the model to compute on without
         copying its range (nodes.handover); used on the CPU, when the worker pushes
-        gradients."""
+        gradients. `transport` makes the links' sockets (bus.memory's for one-loop tests);
+        `clock` is read for every deadline and record (bus.clock)."""
         self.config = config
+        self._clock = clock
         self.device = torch.device(config.device)
         self.flat = FlatModel(model, self.device)  # moves the model to the device
         self._model = model
@@ -124,7 +128,8 @@ class Worker:
         self.links = [
             Link(endpoint, shard, shard.take(self.flat.weights), self,
                  request_timeout_s=config.request_timeout_s, keys=config.keys, hub=hub,
-                 probe=self._probe.offer if self._probe is not None else "")
+                 probe=self._probe.offer if self._probe is not None else "",
+                 transport=transport, clock=clock)
             for endpoint, shard in zip(config.endpoints, self._shards, strict=True)
         ]
         self._last_loss: float | None = None
@@ -235,7 +240,7 @@ class Worker:
             log.warning("worker %d %s at version %d, %s; joining again", self.rank, why,
                         self.version, self.phase.value)
             self.rejoins += 1
-            waited = time.monotonic() - min(link.seen for link in self.links)
+            waited = self._clock.monotonic() - min(link.seen for link in self.links)
             welcome = await self._join(max(self.config.reconnect_timeout_s - waited, 1.0),
                                        f"rejoin (after: {why})")
 
@@ -259,7 +264,7 @@ class Worker:
     def _off_loop(self, work: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
         """`work(*args)` on the compute thread, so that heartbeats go on meanwhile. (Not the
         loop's default executor: closing the loop waits for its threads, with no deadline.)"""
-        return asyncio.wrap_future(self._compute_thread.submit(work, *args))
+        return working(asyncio.wrap_future(self._compute_thread.submit(work, *args)))
 
     def end_session(self, why: Exception) -> None:
         if isinstance(why, Stopped) and not all(link.stopped for link in self.links):
@@ -363,16 +368,16 @@ class Worker:
         comm_s = wait_s = 0.0
         previous: _InFlight | None = None  # pipelined: the last push, not yet answered
         while True:
-            started = time.monotonic()
+            started = self._clock.monotonic()
             if pipelined:
                 self.flat.swap()
             current = 0 if weights_pushed else self.flat.current
             # The buffers about to be written must be off the wire.
             for tracker in sent[current]:
                 await wait_sent(tracker, timeout=self.links[0].timeout_s, what="the last update")
-            comm_s += time.monotonic() - started
+            comm_s += self._clock.monotonic() - started
             self._enter(Phase.COMPUTING)
-            began, started = time.time(), time.monotonic()
+            began, started = self._clock.wall(), self._clock.monotonic()
             # Weights broadcast by reference are computed on where they lie, or loaded
             # here, on the loop, which can pull them again if the copy was torn
             # (Link.load_shared); the newest weights each link has besides are loaded by
@@ -418,7 +423,7 @@ class Worker:
                         continue
                     if self._on_set is not None:
                         self._backoff = 0  # computed in place, on a set left alone
-                    computed = time.monotonic()
+                    computed = self._clock.monotonic()
                     self.clock += 1  # counted once sent: heartbeats from now on include it
                     self._enter(Phase.PUSHING)
                     if pipelined:
@@ -426,7 +431,7 @@ class Worker:
                         comm_s = wait_s = 0.0
                         continue
                     answers = await pushes
-            answered = time.monotonic()
+            answered = self._clock.monotonic()
             sent[current] = [tracker for _, tracker in answers]
             acks = [ack for ack, _ in answers]
             # Held back by the strategy (ssp's bound) for as long as the longest-holding shard.
@@ -438,7 +443,7 @@ class Worker:
             if waits:
                 self._enter(Phase.WAITING)
                 await asyncio.gather(*(link.await_version(newer_than=v) for link, v in waits))
-            wait_s += time.monotonic() - answered
+            wait_s += self._clock.monotonic() - answered
 
     async def _push_when_ready(
         self, link: Link, ready: asyncio.Future[None], compute: asyncio.Future[tuple[float, int]],
@@ -457,7 +462,7 @@ class Worker:
         assert self._batches is not None
         push = Push(sender=self.rank, version=version, clock=clock, loss=loss,
                     samples=samples, tensors=part, began=began,
-                    compute_s=time.monotonic() - started, comm_s=comm_s, wait_s=wait_s,
+                    compute_s=self._clock.monotonic() - started, comm_s=comm_s, wait_s=wait_s,
                     batches=self._batches.length)
         return await link.request_tracked(push, patient=True, refer=refer)
 
@@ -925,7 +930,7 @@ def _in_thread(loop: asyncio.AbstractEventLoop, thread: ComputeThread,
     cancelled). Both come from the executor's own future, which is done when `work`
     returns or raises, and also when it is cancelled before it began: a future resolved
     from inside `work` would never be, had `work` never run."""
-    ended = loop.create_future()
+    ended = working(loop.create_future())  # (a virtual clock waits for it: bus.clock)
     job = thread.submit(work)
 
     def over(_: concurrent.futures.Future[_T]) -> None:

@@ -79,7 +79,7 @@ from tensorbus.bus.messages import (
     Welcome,
 )
 from tensorbus.bus.shared import SharedTensorError, Shelf
-from tensorbus.bus.transport import ZmqClient
+from tensorbus.bus.transport import ClientFactory, ZmqClient
 from tensorbus.nodes import Coordinator, CoordinatorConfig, State, Worker, WorkerConfig
 from tensorbus.strategies import Sync
 
@@ -116,9 +116,11 @@ def _coordinator() -> Coordinator:
                        config=CoordinatorConfig(batch_size=BATCH, steps=STEPS), optimizer=_sgd)
 
 
-def _worker(endpoint: str, rank: int, data: Callable[[int, int, int], Any] = digits.data) -> Worker:
+def _worker(endpoint: str, rank: int, data: Callable[[int, int, int], Any] = digits.data,
+            transport: ClientFactory = ZmqClient) -> Worker:
     return Worker(model=digits.model(), data=data, loss=digits.loss,
-                  config=WorkerConfig(connect=endpoint, rank=rank, request_timeout_s=10.0))
+                  config=WorkerConfig(connect=endpoint, rank=rank, request_timeout_s=10.0),
+                  transport=transport)
 
 
 def _weights(coordinator: Coordinator) -> list[torch.Tensor]:
@@ -132,8 +134,8 @@ def _assert_same_weights(got: list[torch.Tensor], want: list[torch.Tensor]) -> N
         assert torch.equal(g, w), f"parameter {i} differs by {(g - w).abs().max().item()}"
 
 
-def _client_factory(cls: type[ZmqClient], **extra: Any) -> Callable[..., ZmqClient]:
-    """Something to put in place of `nodes.link.ZmqClient` that builds `cls` with `extra`."""
+def _client_factory(cls: type[ZmqClient], **extra: Any) -> Any:
+    """A worker's transport (a bus.transport.ClientFactory) that builds `cls` with `extra`."""
     def build(connect: str, **options: Any) -> ZmqClient:
         return cls(connect, **options, **extra)
     return build
@@ -164,17 +166,16 @@ class Reference:
 @pytest.fixture(scope="module")
 def reference() -> Reference:
     pushes: dict[tuple[int, int], list[bytes]] = {}
+    recording = _client_factory(_Recording, pushes=pushes)
 
     async def train() -> tuple[Coordinator, dict[str, Any]]:
         coordinator = _coordinator()
         endpoint = coordinator.bind()
-        summary, *_ = await asyncio.gather(
-            coordinator.run(), *(_worker(endpoint, rank).run() for rank in range(WORKERS)))
+        summary, *_ = await asyncio.gather(coordinator.run(), *(
+            _worker(endpoint, rank, transport=recording).run() for rank in range(WORKERS)))
         return coordinator, summary
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tensorbus.nodes.link.ZmqClient", _client_factory(_Recording, pushes=pushes))
-        coordinator, summary = asyncio.run(train())
+    coordinator, summary = asyncio.run(train())
     assert summary["steps"] == STEPS and summary["rejected"] == {} and summary["dropped"] == {}
     return Reference(_weights(coordinator), pushes)
 
@@ -704,19 +705,18 @@ def test_hostile_pushes_from_a_member_are_dropped_and_never_applied(
     lies: dict[int, tuple[Push, str]] = {}
     answers: dict[int, Message] = {}
 
+    lying = _client_factory(_LyingMember, layout=_coordinator().flat.layout, lies=lies,
+                            answers=answers)
+
     async def train() -> tuple[Coordinator, dict[str, Any]]:
         coordinator = _coordinator()
         endpoint = coordinator.bind()
-        summary, *_ = await asyncio.gather(
-            coordinator.run(), *(_worker(endpoint, rank).run() for rank in range(WORKERS)))
+        summary, *_ = await asyncio.gather(coordinator.run(), *(
+            _worker(endpoint, rank, transport=lying).run() for rank in range(WORKERS)))
         return coordinator, summary
 
     caplog.set_level(logging.WARNING, logger="tensorbus.coordinator")
-    with pytest.MonkeyPatch.context() as patch:
-        layout = _coordinator().flat.layout
-        patch.setattr("tensorbus.nodes.link.ZmqClient", _client_factory(
-            _LyingMember, layout=layout, lies=lies, answers=answers))
-        coordinator, summary = asyncio.run(train())
+    coordinator, summary = asyncio.run(train())
 
     assert len(lies) == 6, "the worker never pushed on version LIE_AT"
     for request, (lie, why) in lies.items():
