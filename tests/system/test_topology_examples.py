@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("script, args", [
-    ("relay_tree.py", ["--relays", "2", "--per-relay", "2", "--steps", "5"]),
-    ("sharded_server.py", ["--shards", "2", "--workers", "2", "--steps", "5"]),
+    ("relay_tree.py", ["--relays", "2", "--per-relay", "2", "--steps", "60"]),
+    ("sharded_server.py", ["--shards", "2", "--workers", "2", "--steps", "60"]),
 ])
 def test_a_topology_example_trains(script: str, args: list[str]) -> None:
     # In a session of its own: its nodes are its children, and a script killed at the
@@ -34,8 +34,9 @@ def test_a_topology_example_trains(script: str, args: list[str]) -> None:
         _reap(example)
     assert example.returncode == 0, err[-2000:]
     summary = json.loads(out[out.index("{"):])
-    assert summary["steps"] == 5
-    assert 0.0 <= summary["accuracy"] <= 1.0
+    assert summary["steps"] == 60
+    # It learned: 60 steps reach about 0.7 on digits' 10 classes, where chance is 0.1.
+    assert summary["accuracy"] > 0.5, summary
 
 
 def _reap(example: subprocess.Popen[str]) -> None:
