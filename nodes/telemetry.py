@@ -3,14 +3,18 @@
 Every push carries the worker's own measurements (see `bus.messages.Push`): seconds spent
 computing the update, and since the compute before it, seconds communicating and seconds
 waiting (held back by the strategy, or for a version). `Telemetry` adds them up per rank and
-keeps the last few compute times, from which it names stragglers: a worker whose recent
-compute time (the median of its last `window` updates, so that one hiccup is not enough)
-stays at least `factor` times the median of the other workers' and `floor_s` above it.
+keeps its recent compute times, from which it names stragglers: a worker whose recent
+compute time stays at least `factor` times the median of the other workers' and `floor_s`
+above it. "Recent" is its updates that arrived in the last `span_s` seconds, and at least
+`window` of them: a median over seconds, not over a few updates, because a machine shared
+with other work preempts single workers for tens to hundreds of milliseconds at a time,
+which at a few milliseconds a step is many updates in a row.
 It has no clock of its own and no I/O: figures in, verdicts out, as strategies are.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +29,7 @@ class WorkerTimes:
     wait_s: float = 0.0
     updates: int = 0
     recent: deque[float] = field(default_factory=deque)
+    arrived: deque[float] = field(default_factory=deque)  # when each of `recent` came
     straggler: bool = False
 
     def shares(self) -> tuple[float, float, float]:
@@ -55,30 +60,48 @@ class Verdict:
 
 
 class Telemetry:
-    # The defaults name a worker slowed by 28 ms a step among four 3-ms ones at its 8th
-    # update, and none of four calm workers on 2 busy cores, where preemption makes single
-    # workers 2-5x slower for a few updates at a time (replayed from real metrics).
-    def __init__(self, *, window: int = 8, factor: float = 2.0, floor_s: float = 0.010) -> None:
+    # The defaults name a worker slowed by 28 ms a step among four 3-ms ones 2 s after
+    # its first update, and not a worker preempted for half a second now and then
+    # (tests/unit/test_telemetry.py).
+    def __init__(self, *, window: int = 8, factor: float = 2.0, floor_s: float = 0.010,
+                 span_s: float = 2.0) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         if not factor > 1:
             raise ValueError(f"factor must be above 1, got {factor}")
+        if not span_s >= 0:
+            raise ValueError(f"span_s must be at least 0, got {span_s}")
         self.window = window
         self.factor = factor
         self.floor_s = floor_s
+        self.span_s = span_s
         self.workers: dict[int, WorkerTimes] = {}
+        # Judged 8 times a span, not at every update: a median over seconds of updates
+        # costs tens of microseconds a rank, which a push's path cannot pay each time.
+        self._every_s = span_s / 8
+        self._latest = -math.inf  # the newest arrival recorded
+        self._checked = -math.inf  # the arrival time of the last check
 
-    def record(self, rank: int, *, compute_s: float, comm_s: float,
-               wait_s: float) -> tuple[float, float, float]:
-        """Add one update's figures (negative or non-finite ones, from a confused peer, as
-        0) and return them as counted, for whoever records them elsewhere."""
-        times = self.workers.setdefault(rank, WorkerTimes(recent=deque(maxlen=self.window)))
+    def record(self, rank: int, *, compute_s: float, comm_s: float, wait_s: float,
+               at: float) -> tuple[float, float, float]:
+        """Add one update's figures, arrived at time `at` (seconds, any clock that does
+        not go back; negative or non-finite figures, from a confused peer, count as 0),
+        and return them as counted, for whoever records them elsewhere."""
+        times = self.workers.setdefault(rank, WorkerTimes())
         compute_s, comm_s, wait_s = (_sane(x) for x in (compute_s, comm_s, wait_s))
         times.compute_s += compute_s
         times.comm_s += comm_s
         times.wait_s += wait_s
         times.updates += 1
         times.recent.append(compute_s)
+        times.arrived.append(at)
+        self._latest = max(self._latest, at)
+        # Only what the window and the span need: the oldest go once the rest cover both
+        # (or once there are _KEPT, however little time they span).
+        while len(times.recent) > self.window and (
+                at - times.arrived[1] >= self.span_s or len(times.recent) > _KEPT):
+            times.recent.popleft()
+            times.arrived.popleft()
         return compute_s, comm_s, wait_s
 
     def forget(self, rank: int) -> None:
@@ -86,10 +109,11 @@ class Telemetry:
         times = self.workers.get(rank)
         if times is not None:
             times.recent.clear()
+            times.arrived.clear()
             times.straggler = False
 
     def recent(self, rank: int) -> float | None:
-        """The median of the rank's last `window` compute times; None before any."""
+        """The median of the rank's recent compute times; None before any."""
         times = self.workers.get(rank)
         if times is None or not times.recent:
             return None
@@ -98,12 +122,16 @@ class Telemetry:
     def check(self) -> list[Verdict]:
         """Who became a straggler, or stopped being one, since the last check.
 
-        A rank is judged once it has a full window; the others' figure is the median of
-        their recent medians, so that with three or more workers one slow rank does not
-        raise the bar it is measured against.
+        A rank is judged once it has `window` recent updates over `span_s`; the
+        others' figure is the median of their recent medians, so that with three or more
+        workers one slow rank does not raise the bar it is measured against.
         """
+        if self._latest - self._checked < self._every_s:
+            return []
+        self._checked = self._latest
         ready = {r: statistics.median(t.recent) for r, t in self.workers.items()
-                 if len(t.recent) == self.window}
+                 if len(t.recent) >= self.window
+                 and t.arrived[-1] - t.arrived[0] >= self.span_s}
         verdicts = []
         for rank, mine in ready.items():
             others = [v for r, v in ready.items() if r != rank]
@@ -121,6 +149,9 @@ class Telemetry:
                 times.straggler = False
                 verdicts.append(Verdict(rank, False, mine, bar))
         return verdicts
+
+
+_KEPT = 4096  # recent times kept at most a rank: 2 s of half-millisecond updates
 
 
 def _sane(seconds: float) -> float:

@@ -63,7 +63,8 @@ class Watch:
         """A push arrived (at wall time `arrived`), with its worker's figures."""
         # Sane figures only from here on: NaN from a confused peer would make invalid JSON.
         figures = dict(zip(("compute_s", "comm_s", "wait_s"), self.telemetry.record(
-            rank, compute_s=push.compute_s, comm_s=push.comm_s, wait_s=push.wait_s),
+            rank, compute_s=push.compute_s, comm_s=push.comm_s, wait_s=push.wait_s,
+            at=arrived),
             strict=True))
         counters = self.metrics.worker(rank)
         for name, seconds in figures.items():

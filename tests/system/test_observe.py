@@ -35,12 +35,13 @@ SLOW_RANK, SLOW_MS = 2, 60
 
 @pytest.fixture(scope="module")
 def slowed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """3 workers in sync, worker 2 sleeping 60 ms a step; metrics, trace, status every 0.5 s."""
+    """3 workers in sync, worker 2 sleeping 60 ms a step for 60 steps; metrics, trace,
+    status every 0.5 s."""
     tmp = tmp_path_factory.mktemp("observe")
     metrics, trace = tmp / "m.jsonl", tmp / "t.json"
     done = zygote.shared().run(
         ["local", "examples/digits.py", "--workers", "3",
-         "--steps", "30", "--threads", "1", "--heartbeat", "0.2", "--no-progress",
+         "--steps", "60", "--threads", "1", "--heartbeat", "0.2", "--no-progress",
          "--fault", f"slow:{SLOW_RANK}:{SLOW_MS}", "--metrics", str(metrics),
          "--trace", str(trace), "--status", "0.5"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
@@ -57,7 +58,8 @@ def test_the_slowed_worker_is_named_within_a_few_steps(slowed_run: dict[str, Any
     assert len(named) == 1 and f"worker {SLOW_RANK} is a straggler" in named[0], named
     verdicts = [r for r in slowed_run["records"] if r["event"] == "straggler"]
     assert [(v["rank"], v["slow"]) for v in verdicts] == [(SLOW_RANK, True)]
-    assert verdicts[0]["clock"] <= 9  # its 8th to 10th update: a window of 8, not 60 s
+    # Once its updates span the detector's 2 s: about 33 of 60 ms (judged every 0.25 s).
+    assert 28 <= verdicts[0]["clock"] <= 42, verdicts[0]
     assert verdicts[0]["compute_s"] >= SLOW_MS / 1000
 
 
@@ -67,7 +69,7 @@ def test_the_metrics_set_its_compute_time_apart(slowed_run: dict[str, Any]) -> N
     for r in slowed_run["records"]:
         if r["event"] == "worker":
             per_rank.setdefault(r["rank"], []).append(r["compute_s"])
-    assert sorted(per_rank) == [0, 1, 2] and all(len(v) >= 30 for v in per_rank.values())
+    assert sorted(per_rank) == [0, 1, 2] and all(len(v) >= 60 for v in per_rank.values())
     median = {rank: statistics.median(v) for rank, v in per_rank.items()}
     assert median[SLOW_RANK] >= SLOW_MS / 1000
     assert all(median[SLOW_RANK] >= 3 * median[r] for r in (0, 1)), median
@@ -91,7 +93,7 @@ def test_the_trace_has_a_track_per_node_and_spans_of_each_kind(slowed_run: dict[
     assert kinds == {("coordinator", "apply"), ("coordinator", "broadcast"),
                      ("worker", "compute"), ("worker", "push"), ("worker", "wait")}
     applies = [e for e in spans if e["name"] == "apply"]
-    assert len(applies) == 30
+    assert len(applies) == 60
     slow = [e["dur"] for e in spans if e["name"] == "compute" and e["pid"] == SLOW_RANK + 1]
     fast = [e["dur"] for e in spans if e["name"] == "compute" and e["pid"] == 1]
     assert statistics.median(slow) >= SLOW_MS * 1000 > 3 * statistics.median(fast)

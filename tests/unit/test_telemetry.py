@@ -18,47 +18,51 @@ pytestmark = pytest.mark.timeout(10)
 
 
 def feed(t: Telemetry, per_rank: dict[int, float], times: int = 1) -> list[tuple[int, bool]]:
+    """`times` rounds of one update a rank, in lockstep (as sync's): a round lasts as long
+    as its slowest compute."""
     verdicts = []
     for _ in range(times):
+        now = getattr(t, "now", 0.0) + max(per_rank.values())
+        t.now = now  # type: ignore[attr-defined]
         for rank, compute in per_rank.items():
-            t.record(rank, compute_s=compute, comm_s=0.001, wait_s=0.002)
+            t.record(rank, compute_s=compute, comm_s=0.001, wait_s=0.002, at=now)
             verdicts += [(v.rank, v.slow) for v in t.check()]
     return verdicts
 
 
 def test_a_slow_worker_is_named_once_its_window_is_full() -> None:
-    t = Telemetry(window=3)
+    t = Telemetry(window=3, span_s=0)  # (span_s=0: judged on the window alone)
     assert feed(t, {0: 0.010, 1: 0.050}, times=2) == []  # two updates: not judged yet
     assert feed(t, {0: 0.010, 1: 0.050}) == [(1, True)]
     assert feed(t, {0: 0.010, 1: 0.050}, times=5) == []  # named once, not at every update
 
 
 def test_one_hiccup_is_not_a_straggler() -> None:
-    t = Telemetry(window=5)
+    t = Telemetry(window=5, span_s=0)
     feed(t, {0: 0.010, 1: 0.010}, times=5)
     assert feed(t, {0: 0.010, 1: 0.500}) == []  # the median of five shrugs off one
     assert feed(t, {0: 0.010, 1: 0.500}, times=2) == [(1, True)]  # three of five: it is slow
 
 
 def test_recovery_is_named_and_does_not_flap_at_the_threshold() -> None:
-    t = Telemetry(window=3, factor=1.5, floor_s=0.001)
+    t = Telemetry(window=3, factor=1.5, floor_s=0.001, span_s=0)
     assert feed(t, {0: 0.010, 1: 0.030}, times=3) == [(1, True)]
     assert feed(t, {0: 0.010, 1: 0.014}, times=3) == []  # 1.4x: between the marks, still slow
     assert feed(t, {0: 0.010, 1: 0.011}, times=3) == [(1, False)]
 
 
 def test_differences_below_the_floor_are_noise() -> None:
-    t = Telemetry(window=3, floor_s=0.005)
+    t = Telemetry(window=3, floor_s=0.005, span_s=0)
     assert feed(t, {0: 0.0005, 1: 0.002}, times=5) == []  # 4x, but 1.5 ms apart
 
 
 def test_with_three_workers_the_slow_one_is_measured_against_the_others() -> None:
-    t = Telemetry(window=3)
+    t = Telemetry(window=3, span_s=0)
     assert feed(t, {0: 0.010, 1: 0.011, 2: 0.030}, times=3) == [(2, True)]
 
 
 def test_a_worker_alone_is_never_a_straggler_and_a_leaver_stops_counting() -> None:
-    t = Telemetry(window=2)
+    t = Telemetry(window=2, span_s=0)
     assert feed(t, {0: 0.5}, times=4) == []
     feed(t, {1: 0.010}, times=2)
     t.forget(0)
@@ -66,10 +70,48 @@ def test_a_worker_alone_is_never_a_straggler_and_a_leaver_stops_counting() -> No
     assert t.recent(0) is None and t.workers[0].updates == 4  # its totals stay
 
 
+def _calm_then_preempted(t: Telemetry) -> list[tuple[int, bool]]:
+    """Four async workers of 3-ms steps for 6 s, in the order their updates arrive; rank
+    2 preempted at 3 s for half a second (12 updates of 40 ms: what a busy machine does
+    to one process now and then)."""
+    arrivals = []
+    for rank in range(4):
+        steps = [0.003] * 2000
+        if rank == 2:
+            steps[1000:1012] = [0.040] * 12
+        now = 0.0
+        for step in steps:
+            now += step
+            arrivals.append((now, rank, step))
+    verdicts = []
+    for now, rank, step in sorted(arrivals):
+        t.record(rank, compute_s=step, comm_s=0.0, wait_s=0.0, at=now)
+        verdicts += [(v.rank, v.slow) for v in t.check()]
+    return verdicts
+
+
+def test_a_worker_preempted_for_half_a_second_is_not_a_straggler() -> None:
+    assert _calm_then_preempted(Telemetry()) == []
+    # Judged on its last eight updates alone, as before span_s, it was named.
+    assert (2, True) in _calm_then_preempted(Telemetry(span_s=0))
+
+
+def test_a_steady_straggler_is_named_after_about_span_s_of_its_compute() -> None:
+    t = Telemetry()
+    named_at = None
+    for update in range(1, 200):
+        if feed(t, {0: 0.003, 1: 0.031, 2: 0.003, 3: 0.003}) == [(1, True)]:
+            named_at = update
+            break
+    # Its 66th update comes 2 s after its first (rounds of 31 ms); it is judged within a
+    # quarter of a second of that.
+    assert named_at is not None and 66 <= named_at <= 66 + 9, named_at
+
+
 def test_shares_and_insane_figures() -> None:
     t = Telemetry()
-    t.record(0, compute_s=3.0, comm_s=1.0, wait_s=float("nan"))
-    t.record(0, compute_s=-1.0, comm_s=0.0, wait_s=float("inf"))
+    t.record(0, compute_s=3.0, comm_s=1.0, wait_s=float("nan"), at=0.0)
+    t.record(0, compute_s=-1.0, comm_s=0.0, wait_s=float("inf"), at=1.0)
     assert t.workers[0].shares() == (0.75, 0.25, 0.0)
     assert Telemetry().workers.get(0) is None
 
@@ -79,6 +121,8 @@ def test_settings_are_checked() -> None:
         Telemetry(window=0)
     with pytest.raises(ValueError, match="factor"):
         Telemetry(factor=1.0)
+    with pytest.raises(ValueError, match="span_s"):
+        Telemetry(span_s=-1)
 
 
 def test_the_trace_is_strict_json_when_closed_and_readable_when_cut(tmp_path: Path) -> None:
