@@ -138,9 +138,11 @@ def test_a_killed_creators_segment_is_unlinked_by_the_next_sweep() -> None:
                           timeout=60, check=False)
     assert done.returncode == -signal.SIGKILL
     path = ROOT / done.stdout.strip()
-    assert path.exists() and not creator_alive(path.name)
-    assert path.name in sweep()
-    assert not path.exists()
+    assert not creator_alive(path.name)
+    # (Another test's node, starting meanwhile, may have swept it first: the same code.)
+    there = path.exists()
+    gone = sweep()
+    assert not path.exists() and (path.name in gone or not there)
 
 
 @pytest.mark.system  # it starts a process

@@ -19,8 +19,10 @@ from typing import Any
 import pytest
 import zygote
 
-# Paces, clock gaps and drops against a straggler: figures that need the machine to itself.
-pytestmark = [pytest.mark.timeout(180), pytest.mark.exclusive]
+pytestmark = pytest.mark.timeout(180)
+# Paces, clock gaps and drops against a straggler: figures that need the machine to itself
+# (the structural checks below run beside other tests).
+pace = pytest.mark.exclusive
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
@@ -58,6 +60,7 @@ def _pushes(summary: dict[str, Any]) -> dict[int, int]:
     return {int(r): c["pushes"] for r, c in summary["per_worker"].items()}
 
 
+@pace
 def test_ssp_bounds_the_clock_gap_against_a_straggler(tmp_path: Path) -> None:
     s = 2
     summary, _records = _local(tmp_path, "--strategy", "ssp", "--staleness", str(s),
@@ -80,6 +83,7 @@ def test_ssp_with_staleness_zero_moves_in_lockstep(tmp_path: Path) -> None:
     assert max(pushes.values()) - min(pushes.values()) <= 1
 
 
+@pace
 def test_backups_outrun_a_straggler_that_plain_sync_waits_for(tmp_path: Path) -> None:
     args = ["--strategy", "sync", "--steps", "40"]
     _calm, calm_records = _local(tmp_path, *args, "--backups", "1", workers=4)
@@ -99,6 +103,7 @@ def test_backups_outrun_a_straggler_that_plain_sync_waits_for(tmp_path: Path) ->
     assert plain_step >= 2 * backed_step, (plain_step, backed_step)
 
 
+@pace
 def test_async_never_holds_a_worker_back(tmp_path: Path) -> None:
     summary, _ = _local(tmp_path, "--strategy", "async", "--steps", "80", workers=3, straggler=1)
     assert all(c["held_s"] == 0 for c in summary["per_worker"].values())
