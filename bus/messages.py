@@ -140,6 +140,9 @@ class Welcome(Message):
     # It takes tensors by reference and saw the Join's probe: its own Probe's offer ("": not).
     shared: str = ""
     seed: int = 0  # the run's --seed: a worker seeds its random generators from it and its rank
+    # A worker that steps its own weights (average) clips its gradient to this norm first
+    # (0: no clipping); where gradients are pushed, the coordinator clips their average.
+    clip_grad_norm: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

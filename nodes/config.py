@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,9 @@ class CoordinatorConfig:
     # Each worker seeds torch's, numpy's and random's generators from (seed, its rank) as
     # it starts training: its dropout and shuffles are the same from run to run.
     seed: int = 0
+    # Scale each step's gradient to at most this 2-norm: the averaged gradient here, or a
+    # worker's local one under `average` (told in its Welcome). None: no clipping.
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if self.first_rank < 0:
@@ -73,6 +77,8 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
+            raise ValueError(f"clip_grad_norm must be positive, got {self.clip_grad_norm}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
         if not 0 < self.heartbeat_s < self.timeout_s:

@@ -219,7 +219,7 @@ class Coordinator:
             sets = SendBuffers(layout.allocate)
         self.master = Master(self.flat, self._make_optimizer(optimizer, lr, weights_pushed), sets,
                              compression=compression, weights_pushed=weights_pushed,
-                             alias=self._ALIAS)
+                             alias=self._ALIAS, clip_grad_norm=config.clip_grad_norm)
         if pool is not None:  # every version is made in the given pool's sets, the first too
             self.flat.rebind(self.master.copy())
         self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
@@ -560,6 +560,7 @@ class Coordinator:
             position=self._positions.get(admitted.rank, 0), compress=self.config.compress,
             shared=(self._probe.offer if self._probe is not None and message.shared
                     and Probe.seen(message.shared) else ""), seed=self.config.seed,
+            clip_grad_norm=self.config.clip_grad_norm or 0.0,
         )
         self._copy_held(admitted.rank)
         await self._refresh_snapshot()

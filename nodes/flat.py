@@ -188,6 +188,19 @@ class FlatModel:
                 self._on_ready(r)  # type: ignore[misc]
         return hook
 
+    def clip_grads(self, max_norm: float) -> float:
+        """Scale the current gradients so that their norm (the 2-norm over every element
+        of every parameter, as torch.nn.utils.clip_grad_norm_ takes it) is at most
+        `max_norm`; the norm they had."""
+        with torch.no_grad():
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self.grads]
+            total = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+            coefficient = max_norm / (total + 1e-6)  # (clip_grad_norm_'s epsilon)
+            if coefficient < 1.0:
+                for g in self.grads:
+                    g.mul_(coefficient)
+        return total
+
     def gather_grads(self) -> None:
         """After backward, make sure every gradient sits in the current flat set and every
         `.grad` is its view: a parameter that got no gradient gets zeros, and a gradient

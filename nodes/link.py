@@ -558,6 +558,12 @@ class Link:
                     # again. Answers to what was queued before a join (beats sent while
                     # the coordinator was away) come before its Welcome: no session to end.
                     self._owner.end_session(RejectedError(message.code, message.detail))
+                elif message.request:
+                    # The answer to a request given up on (a join retried under load, say):
+                    # the retry's answer says the same, and is the one acted on.
+                    log.debug("worker %d: the %s refused request %d, answered too late: %s: %s",
+                              self._owner.rank, self.peer, message.request, message.code,
+                              message.detail)
                 else:
                     log.warning("worker %d: the %s refused a message: %s: %s",
                                 self._owner.rank, self.peer, message.code, message.detail)

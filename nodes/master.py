@@ -56,8 +56,11 @@ class Master:
     sets versions are made in, and the snapshot last published."""
 
     def __init__(self, flat: FlatModel, optimizer: torch.optim.Optimizer | None, pool: SendBuffers,
-                 *, compression: Compression, weights_pushed: bool, alias: bool = True) -> None:
+                 *, compression: Compression, weights_pushed: bool, alias: bool = True,
+                 clip_grad_norm: float | None = None) -> None:
         self.flat = flat
+        # The averaged gradient's norm is bounded before each step (pushed gradients only).
+        self.clip_grad_norm = None if weights_pushed else clip_grad_norm
         self.optimizer = optimizer
         self.pool = pool
         self.alias = alias
@@ -76,8 +79,11 @@ class Master:
     # The step ------------------------------------------------------------------------------
 
     def plain_lr(self) -> float | None:
-        """The learning rate where a step is plain SGD on pushed gradients, else None."""
-        return None if self.weights_pushed else changed.plain_sgd_lr(self.optimizer, self._params)
+        """The learning rate where a step is plain SGD on pushed gradients, else None.
+        (Not with clipping: the fused plain steps never hold the averaged gradient whole.)"""
+        if self.weights_pushed or self.clip_grad_norm is not None:
+            return None
+        return changed.plain_sgd_lr(self.optimizer, self._params)
 
     def into_spare(self, lr: float | None) -> bool:
         """Whether a step can write the next version into a spare buffer set, leaving the
@@ -123,6 +129,8 @@ class Master:
                              [update[b] for update in updates[folded:]], alpha)
             return
         self.mean(updates, scale)
+        if self.clip_grad_norm is not None:  # on the average, as DDP users clip after it
+            self.flat.clip_grads(self.clip_grad_norm)
         with torch.no_grad():
             for b, mean in enumerate(self.flat.grads):
                 if self.weights_pushed:

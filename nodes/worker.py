@@ -115,6 +115,7 @@ class Worker:
         self._loss = loss
         self._make_optimizer = optimizer  # used only when the strategy has workers own one
         self._optimizer: torch.optim.Optimizer | None = None
+        self._clip = 0.0  # the gradient norm its own steps clip to (average's); 0: none
         self.steps = 0  # local steps computed
         self.rank = config.rank
         self.phase = Phase.JOINING
@@ -326,6 +327,7 @@ class Worker:
             # loop must keep beating meanwhile.
             self._optimizer = await self._off_loop(make_optimizer, make,
                                                    self._model.parameters())
+        self._clip = welcome.clip_grad_norm if weights_pushed else 0.0
         # Async holds nobody back: the next gradient is computed, into the other set of
         # buffers, while this one is on the wire (its answers are taken meanwhile).
         pipelined = wait is Wait.NOTHING and not weights_pushed
@@ -590,6 +592,8 @@ class Worker:
                 self._on_range = None
             self.flat.gather_grads()
             if self._optimizer is not None:
+                if self._clip:
+                    self.flat.clip_grads(self._clip)
                 self._optimizer.step()
             self.steps += 1
             total_loss += figure

@@ -254,6 +254,10 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
                    help="the default SGD's learning rate (default 0.1); a SPEC with its own "
                         "optimizer() sets its own, and --lr beside it is an error")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
+    p.add_argument("--clip-grad-norm", type=float, metavar="X",
+                   help="scale each step's gradient to a 2-norm of at most X: the averaged "
+                        "gradient at the coordinator (sync, ssp, async), each worker's own "
+                        "under average")
     p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
     _liveness(p, "wait this long for workers, in seconds (default 300)")
     p.add_argument("--no-progress", action="store_true", help="no progress line")

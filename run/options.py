@@ -60,6 +60,7 @@ class RunOptions:
     colocate: bool = False
     # Workers push gradients to a coordinator on this host from shared memory (bus.shared).
     shared_memory: bool = True
+    clip_grad_norm: float | None = None  # the largest 2-norm of a step's gradient
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -79,6 +80,9 @@ class RunOptions:
             raise ValueError(f"--join-timeout must be above 0, got {self.join_timeout_s:g}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < float("inf"):
+            raise ValueError(f"--clip-grad-norm must be a positive number, got "
+                             f"{self.clip_grad_norm:g}")
         if self.eval_every_s is not None and not self.eval_every_s > 0:
             raise ValueError(f"--eval-every must be positive, got {self.eval_every_s:g}")
         parse_local(self.faults, self.workers)
@@ -100,6 +104,12 @@ class RunOptions:
         strategy = make_strategy(self)  # one-line errors for its options now, not at start-up
         if self.colocate:
             self._check_colocate(strategy)
+        if (self.clip_grad_norm is not None and (self.shards > 1 or self.colocate)
+                and strategy.rhythm.push is PushKind.GRADIENT):
+            raise ValueError("--clip-grad-norm clips the averaged gradient as a whole, and "
+                             "with --shards or --colocate each coordinator shard holds only a "
+                             "range of it: drop one of them (or use average, whose workers "
+                             "clip their own)")
         Compression.parse(self.compress)  # a one-line error naming the choices
         if self.compress and strategy.rhythm.push is PushKind.WEIGHTS:
             raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
@@ -234,6 +244,7 @@ def coordinator_config(
         compress=options.compress,
         shared_memory=options.shared_memory,
         seed=options.seed,
+        clip_grad_norm=options.clip_grad_norm,
     )
 
 

@@ -42,13 +42,14 @@ def _initial() -> torch.nn.Module:
 
 
 def _train(strategy: Strategy, steps: int, b: int, metrics: Path | None = None,
-           ) -> tuple[Coordinator, dict]:
+           clip: float | None = None) -> tuple[Coordinator, dict]:
     """Train with in-loop workers (plain SGD everywhere) and return the coordinator and summary."""
 
     async def train() -> tuple[Coordinator, dict]:
         coordinator = Coordinator(
             model=_initial(), strategy=strategy, optimizer=_sgd,
-            config=CoordinatorConfig(batch_size=b, steps=steps, metrics=metrics),
+            config=CoordinatorConfig(batch_size=b, steps=steps, metrics=metrics,
+                                     clip_grad_norm=clip),
         )
         endpoint = coordinator.bind()
         workers = [
@@ -62,7 +63,8 @@ def _train(strategy: Strategy, steps: int, b: int, metrics: Path | None = None,
     return asyncio.run(train())
 
 
-def _local_sgd(workers: int, rounds: int, h: int, b: int) -> torch.nn.Module:
+def _local_sgd(workers: int, rounds: int, h: int, b: int,
+               clip: float | None = None) -> torch.nn.Module:
     """Local SGD by hand: each round, every worker takes h SGD steps from the average."""
     model = _initial()
     shards = [iter(digits.data(rank, workers, b)) for rank in range(workers)]
@@ -78,6 +80,8 @@ def _local_sgd(workers: int, rounds: int, h: int, b: int) -> torch.nn.Module:
                 inputs, targets = next(shard)
                 optimizer.zero_grad()
                 digits.loss(model(inputs), targets).backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
             finals.append([p.detach().clone() for p in model.parameters()])
         with torch.no_grad():
@@ -111,6 +115,36 @@ def test_average_every_h_equals_local_sgd_by_hand() -> None:
     assert summary["steps"] == rounds
     assert summary["samples"] == rounds * workers * h * b
     _assert_same(averaged.model, _local_sgd(workers, rounds, h, b))
+
+
+CLIP = 0.3  # below digits' gradient norms early on (about 1 to 3): every step is clipped
+
+
+def test_sync_clips_the_averaged_gradient_as_one_process_clips_its_own() -> None:
+    workers, steps, b = 2, 12, 8
+    clipped, summary = _train(Sync(workers=workers), steps, b, clip=CLIP)
+    model = _initial()
+    optimizer = _sgd(model.parameters())
+    batches = iter(digits.data(0, 1, workers * b))
+    norms = []
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        optimizer.zero_grad()
+        digits.loss(model(inputs), targets).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+    assert min(norms) > CLIP  # (the clipping did something at every step)
+    assert summary["steps"] == steps
+    _assert_same(clipped.model, model)
+    unclipped, _ = _train(Sync(workers=workers), steps, b)
+    assert not torch.equal(next(unclipped.model.parameters()), next(clipped.model.parameters()))
+
+
+def test_average_workers_clip_their_own_gradients() -> None:
+    workers, rounds, h, b = 2, 6, 5, 8
+    averaged, _ = _train(PeriodicAveraging(workers=workers, average_every=h), rounds, b,
+                         clip=CLIP)
+    _assert_same(averaged.model, _local_sgd(workers, rounds, h, b, clip=CLIP))
 
 
 def test_outer_sgd_with_lr_one_is_plain_averaging() -> None:
