@@ -46,20 +46,25 @@ def save(directory: Path, state: dict[str, Any], *, keep: int = KEEP) -> Path:
     """Write `state` (with its "version") as the newest checkpoint in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"ckpt-{state['version']:09d}.pt"
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
+    write_atomically(final, {"format": FORMAT, **state})
     for old in _checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return final
+
+
+def write_atomically(path: Path, obj: Any) -> None:
+    """torch.save `obj` to `path`: whole or not at all, and on disk when this returns."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
 
 
 def newest(directory: Path) -> Path | None:
@@ -68,14 +73,20 @@ def newest(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load(path: Path, *, layout: str) -> dict[str, Any]:
-    """Read a checkpoint and check that it fits this model (its layout digest)."""
+def read(path: Path) -> dict[str, Any]:
+    """Read a checkpoint, whatever model it holds."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file: say which and why
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a tensorbus checkpoint of format {FORMAT}")
+    return state
+
+
+def load(path: Path, *, layout: str) -> dict[str, Any]:
+    """Read a checkpoint and check that it fits this model (its layout digest)."""
+    state = read(path)
     if state.get("layout") != layout:
         raise CheckpointError(
             f"{path} holds a model of layout {state.get('layout')}, this SPEC's is {layout}: "

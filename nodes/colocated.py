@@ -113,6 +113,12 @@ class Colocated:
             raise
         self.worker: Worker | None = None
 
+    @property
+    def model(self) -> nn.Module:
+        """The whole model this process trains: every shard's final weights once `run` has
+        returned (its worker loads them before it leaves)."""
+        return self._model
+
     def bind(self) -> str:
         """Bind this shard; the endpoint the other workers connect to."""
         return self.coordinator.bind()

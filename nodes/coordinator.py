@@ -913,6 +913,12 @@ class Coordinator:
             # What the positions are counted in: each rank's shard of the data, in batches.
             "workers": self.strategy.workers,
             "batch_size": self.config.batch_size,
+            # Where each named parameter lies in `weights`, and the model's buffers: what
+            # `tensorbus export` makes a state_dict of (a shard's range has no names).
+            "names": None if isinstance(self.model, ShardModel) else [
+                [e.name, e.bucket, e.offset, list(e.shape)] for e in self.flat.layout.entries],
+            "buffers": {} if isinstance(self.model, ShardModel) else {
+                name: b.detach().clone() for name, b in self.model.named_buffers()},
         }
 
     async def _checkpoint(self) -> None:

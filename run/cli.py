@@ -36,6 +36,7 @@ from tensorbus.nodes.relay import Relay
 from tensorbus.nodes.worker import ComputeError, DataError, Worker
 from tensorbus.run import cluster, device, flags, interrupts
 from tensorbus.run import summary as run_summary
+from tensorbus.run.export import check_writable, export, save_model
 from tensorbus.run.faults import parse_worker
 from tensorbus.run.local import LocalRunError, launch_local
 from tensorbus.run.memory import keep_freed_memory
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         commands = {"local": _local, "coordinator": _coordinator, "worker": _worker, "relay": _relay,
-                    "keys": _keys, "plot": _plot}
+                    "keys": _keys, "plot": _plot, "export": _export}
         return commands[args.command](args)
     except KeyboardInterrupt as e:
         return fail(e, "interrupted", 130)
@@ -107,6 +108,8 @@ _OURS = (SpecError, TrainingError, PeerTimeoutError, RejectedError, HandshakeErr
 
 
 def _local(args: argparse.Namespace) -> int:
+    if args.save is not None:
+        check_writable(args.save)
     progress = ProgressLine(sys.stderr) if not args.no_progress else None
     try:
         with progress.above() if progress else contextlib.nullcontext():
@@ -124,6 +127,12 @@ def _local(args: argparse.Namespace) -> int:
 def _coordinator(args: argparse.Namespace) -> int:
     args.bind, args.workers = _served(args)
     _refuse_public_bind(args)
+    if args.save is not None:
+        if args.shard is not None and args.shard[1] > 1:
+            raise ValueError(f"--save writes the whole model, and --shard {args.shard[0]}/"
+                             f"{args.shard[1]} holds a range of it: drop --save, or run the "
+                             "shards in one `tensorbus local --shards` to save")
+        check_writable(args.save)
     spec = load_spec(args.spec)
     progress = ProgressLine(sys.stderr) if not args.no_progress else None
     shard, _ = args.shard or (0, 1)
@@ -138,6 +147,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     finally:
         if progress:
             progress.close()
+    if args.save is not None:
+        save_model(coordinator.model, args.save)
     return _ended(args, summary)
 
 
@@ -244,6 +255,13 @@ def _node(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """`tensorbus export CHECKPOINT -o FILE.pt`: a checkpoint's model as a state_dict."""
+    read = export(args.checkpoint, args.output)
+    print(f"wrote the model of {read} to {args.output}", file=sys.stderr)
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from tensorbus.run.plot import PlotError, plot  # matplotlib: only for this command
 
@@ -274,7 +292,7 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
         trace=args.trace, compress=args.compress or "", shards=_shards(args),
         colocate=getattr(args, "colocate", False), shared_memory=not args.no_shared_memory,
-        clip_grad_norm=args.clip_grad_norm,
+        clip_grad_norm=args.clip_grad_norm, save=args.save,
     )
 
 

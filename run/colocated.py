@@ -34,6 +34,7 @@ from tensorbus.bus.transport import new_event_loop
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.run.children import Forks, die_with_parent
+from tensorbus.run.export import save_model
 from tensorbus.run.faults import parse_local, parse_worker
 from tensorbus.run.local import (
     ERROR_PREFIX,
@@ -107,6 +108,8 @@ async def launch_colocated(
         await asyncio.wait(relays, timeout=REAP_TIMEOUT_S)
         if failure.done():
             raise LocalRunError(_fatal(failure.result()))
+        if options.save is not None:
+            save_model(node.model, options.save)
         return {**summary, "colocated": options.workers}
     finally:
         await _reap(children, timeout=0.0)

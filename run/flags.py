@@ -170,6 +170,14 @@ def parser() -> OneLineParser:
     _logging(keys)
     keys.set_defaults(threads=None)  # no torch work: main() finds the setting unset
 
+    exported = commands.add_parser(
+        "export", help="write a checkpoint's model as a state_dict (torch.load-able)")
+    exported.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
+                          help="a checkpoint file, or a --checkpoint-dir (its newest)")
+    exported.add_argument("-o", "--output", type=Path, required=True, metavar="FILE.pt")
+    _logging(exported)
+    exported.set_defaults(threads=None)
+
     plot = commands.add_parser("plot", help="plot the --metrics files of runs into a PNG")
     plot.add_argument("metrics", type=Path, nargs="+", metavar="METRICS.jsonl")
     plot.add_argument("-o", "--output", type=Path, required=True, metavar="FILE.png")
@@ -259,6 +267,9 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
                         "gradient at the coordinator (sync, ssp, async), each worker's own "
                         "under average")
     p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
+    p.add_argument("--save", type=Path, metavar="FILE.pt",
+                   help="write the trained model's state_dict here at the end (what "
+                        "model().load_state_dict(torch.load(FILE)) takes)")
     _liveness(p, "wait this long for workers, in seconds (default 300)")
     p.add_argument("--no-progress", action="store_true", help="no progress line")
     _json(p)

@@ -30,8 +30,9 @@ from tensorbus.bus.transport import new_event_loop
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.run.children import Forked, Forks, can_fork, die_with_parent
 from tensorbus.run.device import resolve as resolve_device
+from tensorbus.run.export import save_model
 from tensorbus.run.faults import parse_local
-from tensorbus.run.options import RunOptions, make_coordinators, serve
+from tensorbus.run.options import RunOptions, final_model, make_coordinators, serve
 from tensorbus.run.signals import stopping_on_signals
 from tensorbus.run.spec import load_spec
 from tensorbus.run.status import StatusTable
@@ -160,6 +161,8 @@ async def _launch(
         await asyncio.wait(relays, timeout=REAP_TIMEOUT_S)
         if failure.done():
             raise LocalRunError(failure.result())
+        if options.save is not None:
+            save_model(final_model(spec, coordinators), options.save)
         return summary
     finally:
         await _reap(workers, timeout=0.0)

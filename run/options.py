@@ -61,6 +61,7 @@ class RunOptions:
     # Workers push gradients to a coordinator on this host from shared memory (bus.shared).
     shared_memory: bool = True
     clip_grad_norm: float | None = None  # the largest 2-norm of a step's gradient
+    save: Path | None = None  # write the trained model's state_dict here at the end
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -295,6 +296,15 @@ def make_coordinators(
         for i in range(options.shards)]
     shards.extend(c.model for c in coordinators if isinstance(c.model, ShardModel))
     return coordinators
+
+
+def final_model(spec: Spec, coordinators: list[Coordinator]) -> torch.nn.Module:
+    """The whole trained model: the coordinator's, or one built from the SPEC and filled
+    with every shard's weights."""
+    if len(coordinators) == 1:
+        return coordinators[0].model
+    shards = [c.model for c in coordinators if isinstance(c.model, ShardModel)]
+    return assemble(spec.build_model(), shards)
 
 
 async def serve(coordinators: list[Coordinator]) -> dict[str, Any]:
