@@ -39,6 +39,7 @@ from tensorbus.nodes.handover import Handover
 from tensorbus.nodes.link import RunFailedError
 from tensorbus.nodes.master import shared_pool, weights_gallery
 from tensorbus.nodes.optimizers import OptimizerFactory
+from tensorbus.nodes.schedules import SchedulerFactory
 from tensorbus.nodes.shards import ShardModel
 from tensorbus.nodes.worker import Data, Loss, Worker, WorkerReport
 from tensorbus.strategies.base import PushKind, Strategy, Wait
@@ -65,6 +66,7 @@ class Colocated:
         strategy: Strategy,
         config: CoordinatorConfig,
         optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
         lr: float = 0.01,
         evaluate: Evaluate | None = None,
         on_step: Callable[[Progress], None] | None = None,
@@ -82,6 +84,7 @@ class Colocated:
                              "shard): drop max_workers")
         self.index, self.count = index, count
         self._model, self._data, self._loss, self._optimizer = model, data, loss, optimizer
+        self._scheduler = scheduler
         self.hub = Hub()
         try:
             shard = ShardModel(model, index, count)
@@ -104,6 +107,7 @@ class Colocated:
             self.coordinator = Coordinator(
                 model=shard, strategy=strategy, config=config,
                 optimizer=optimizer, lr=lr, on_step=on_step, hub=self.hub, pool=pool,
+                scheduler=scheduler,
                 gallery=gallery,
                 # The whole model is the worker's, and it holds the final weights by then.
                 evaluate=(lambda _: evaluate(model)) if evaluate is not None else None,
@@ -136,7 +140,8 @@ class Colocated:
             endpoints[self.index] = self.coordinator.inproc_endpoint
             self.worker = Worker(model=self._model, data=self._data, loss=self._loss,
                                  config=replace(worker, connect=endpoints, rank=self.index),
-                                 optimizer=self._optimizer, hub=self.hub, handover=self.handover)
+                                 optimizer=self._optimizer, hub=self.hub, handover=self.handover,
+                                 scheduler=self._scheduler)
             training = asyncio.create_task(self.worker.run())
             # Evaluated once our worker is done: it then holds every shard's final weights.
             trained = asyncio.create_task(_after(training))

@@ -17,6 +17,7 @@ import enum
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -74,6 +75,7 @@ from tensorbus.nodes.master import AllDone, Master, shared_pool, tracked, weight
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
+from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
 from tensorbus.nodes.shards import ShardModel
 from tensorbus.nodes.watch import Status, Watch
 from tensorbus.strategies.base import (
@@ -162,6 +164,7 @@ class Coordinator:
         gallery: Gallery | None = None,
         transport: ServerFactory = ZmqServer,
         clock: Clock = SYSTEM_CLOCK,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
         (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
@@ -170,7 +173,9 @@ class Coordinator:
         sets lie in shared memory (without a pool, with `config.shared_memory`, this
         coordinator's own sets do: bus.shared.Gallery); it is closed when the run ends.
         `transport` makes the sockets (bus.memory's for one-loop tests); `clock` is read
-        for every deadline and record (bus.clock)."""
+        for every deadline and record (bus.clock). `scheduler`: the SPEC's, stepped here on
+        the optimizer that steps the versions (nodes.schedules); under average each worker
+        steps its own, and it is not used here."""
         if isinstance(model, ShardModel) and config.eval_every_s:
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
@@ -222,6 +227,11 @@ class Coordinator:
                              alias=self._ALIAS, clip_grad_norm=config.clip_grad_norm)
         if pool is not None:  # every version is made in the given pool's sets, the first too
             self.flat.rebind(self.master.copy())
+        self._schedule = (make_schedule(scheduler, self.master.optimizer)
+                          if scheduler is not None and self.master.optimizer is not None
+                          and not weights_pushed else None)
+        self._epoch_samples: int | None = None  # samples in a pass over every shard, once known
+        self._epochs_stepped = 0  # epochs the schedule has been stepped for
         self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
         self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
         self._max_bytes = self.flat.layout.nbytes + 65536
@@ -742,7 +752,9 @@ class Coordinator:
         for w in decision.workers:
             self.metrics.worker(w)["applied"] += 1
             self._used(w)
-        self.metrics.step(self.version, loss, samples, decision.workers, staleness)
+        lr = self._lr()  # (the one this version was stepped with)
+        self.metrics.step(self.version, loss, samples, decision.workers, staleness, lr=lr)
+        self._step_schedule()  # (after the samples are counted: epochs are samples)
         if self.state is State.STARTING:
             self._enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
         started = self._clock.wall()
@@ -875,6 +887,38 @@ class Coordinator:
             self.master.let_go(self._fold.into)
             self._fold = None
 
+    def _lr(self) -> float:
+        """The learning rate versions are stepped with now (the workers' under average
+        without an outer optimizer: their SGD's, or their SPEC optimizer's own)."""
+        optimizer = self.master.optimizer
+        if optimizer is None or self.strategy.rhythm.push is PushKind.WEIGHTS:
+            return self.lr
+        return float(optimizer.param_groups[0]["lr"])
+
+    def _step_schedule(self) -> None:
+        """Step the schedule after a version: at each one ("step"), or at each pass of
+        samples over every worker's shard ("epoch", once their lengths are known)."""
+        schedule = self._schedule
+        if schedule is None:
+            return
+        if schedule.interval == "step":
+            steps = 1
+        else:
+            if self._epoch_samples is None:
+                batches = [m.batches for m in self._members if m.ready]
+                if not batches or min(batches) < 1:
+                    return  # (not known yet: counted from the samples once it is)
+                self._epoch_samples = sum(batches) * self.config.batch_size
+            epochs = self.metrics.samples // self._epoch_samples
+            steps, self._epochs_stepped = epochs - self._epochs_stepped, epochs
+        with warnings.catch_warnings():
+            # A plain SGD step is taken here without optimizer.step() (it reads the lr
+            # and applies it itself: nodes.master), which the scheduler takes for a
+            # schedule stepped before its optimizer.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            for _ in range(steps):
+                schedule.scheduler.step()
+
     def _epochs_to_samples(self) -> int | None:
         """--epochs as samples to apply: passes over the shards of the workers ready now;
         None while a shard's length is not known (data() without len(): its worker says
@@ -907,6 +951,8 @@ class Coordinator:
             "weights": [w if w.untyped_storage().nbytes() == w.numel() * w.element_size()
                         else w.clone() for w in self.flat.weights],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": ((self._schedule.scheduler.state_dict(), self._epochs_stepped)
+                          if self._schedule is not None else None),
             "samples": self.metrics.samples,
             "target_samples": self._target_samples,
             "positions": dict(self._positions),
@@ -953,6 +999,9 @@ class Coordinator:
         self.flat.load(state["weights"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self._schedule is not None and state.get("scheduler") is not None:
+            scheduler_state, self._epochs_stepped = state["scheduler"]
+            self._schedule.scheduler.load_state_dict(scheduler_state)
         self.version = state["version"]
         self.strategy.restore(state["strategy_state"])
         self.metrics.resumed(self.version, state["samples"], str(path))

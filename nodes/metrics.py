@@ -93,13 +93,16 @@ class Metrics:
             self._file.flush()
 
     def step(
-        self, version: int, loss: float, samples: int, workers: tuple[int, ...], staleness: int = 0
+        self, version: int, loss: float, samples: int, workers: tuple[int, ...], staleness: int = 0,
+        lr: float | None = None,
     ) -> None:
+        """A version made; `lr`: the learning rate it was stepped with (the workers' own
+        under average without an outer optimizer)."""
         self.steps = version
         self.final_loss = loss
         self.samples += samples
         self.write("step", version=version, train_s=round(self.train_s(), 6), loss=loss,
-                   samples=samples, workers=list(workers), staleness=staleness)
+                   samples=samples, workers=list(workers), staleness=staleness, lr=lr)
 
     def summary(self, evaluation: dict[str, float]) -> dict[str, Any]:
         return {

@@ -50,6 +50,7 @@ from tensorbus.nodes.handover import Handover
 from tensorbus.nodes.link import Link, Newer, RunFailedError, Stopped
 from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
 from tensorbus.nodes.outbox import Keeping, Outbox
+from tensorbus.nodes.schedules import Schedule, SchedulerFactory, make_schedule
 from tensorbus.strategies.base import PushKind, Wait
 
 log = logging.getLogger("tensorbus.worker")
@@ -99,13 +100,15 @@ class Worker:
         handover: Handover | None = None,
         transport: ClientFactory = ZmqClient,
         clock: Clock = SYSTEM_CLOCK,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, needed for an inproc:// endpoint
         (the coordinator shard this worker hosts: see nodes.colocated). `handover`: the
         weight sets that shard makes its versions in, for the model to compute on without
         copying its range (nodes.handover); used on the CPU, when the worker pushes
         gradients. `transport` makes the links' sockets (bus.memory's for one-loop tests);
-        `clock` is read for every deadline and record (bus.clock)."""
+        `clock` is read for every deadline and record (bus.clock). `scheduler`: the SPEC's,
+        stepped here on the worker's own optimizer (average's; nodes.schedules)."""
         self.config = config
         self._clock = clock
         self.device = torch.device(config.device)
@@ -116,6 +119,9 @@ class Worker:
         self._make_optimizer = optimizer  # used only when the strategy has workers own one
         self._optimizer: torch.optim.Optimizer | None = None
         self._clip = 0.0  # the gradient norm its own steps clip to (average's); 0: none
+        self._make_scheduler = scheduler
+        self._schedule: Schedule | None = None  # on its own optimizer, if it has one
+        self._epochs_stepped = 0  # passes over its shard the schedule was stepped for
         self.steps = 0  # local steps computed
         self.rank = config.rank
         self.phase = Phase.JOINING
@@ -273,6 +279,19 @@ class Worker:
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(why)
 
+    def _step_schedule(self) -> None:
+        """After a local step: at each one ("step"), or at each pass over its shard."""
+        schedule, batches = self._schedule, self._batches
+        if schedule is None or batches is None:
+            return
+        if schedule.interval == "step":
+            schedule.scheduler.step()
+        elif batches.length > 0:
+            passes = batches.position // batches.length
+            for _ in range(passes - self._epochs_stepped):
+                schedule.scheduler.step()
+            self._epochs_stepped = passes
+
     def _enter(self, phase: Phase) -> None:
         log.debug("worker %d: %s -> %s", self.rank, self.phase.value, phase.value)
         self.phase = phase
@@ -327,6 +346,8 @@ class Worker:
             # loop must keep beating meanwhile.
             self._optimizer = await self._off_loop(make_optimizer, make,
                                                    self._model.parameters())
+            if self._make_scheduler is not None:
+                self._schedule = make_schedule(self._make_scheduler, self._optimizer)
         self._clip = welcome.clip_grad_norm if weights_pushed else 0.0
         # Async holds nobody back: the next gradient is computed, into the other set of
         # buffers, while this one is on the wire (its answers are taken meanwhile).
@@ -595,6 +616,7 @@ class Worker:
                 if self._clip:
                     self.flat.clip_grads(self._clip)
                 self._optimizer.step()
+                self._step_schedule()
             self.steps += 1
             total_loss += figure
             samples += len(inputs)

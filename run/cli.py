@@ -191,7 +191,7 @@ def _worker(args: argparse.Namespace) -> int:
                           shared_memory=not args.no_shared_memory,
                           keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
     worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config,
-                    optimizer=spec.optimizer)
+                    optimizer=spec.optimizer, scheduler=spec.scheduler)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             report = runner.run(stopping_on_signals(worker, worker.run()))

@@ -205,7 +205,7 @@ def make_coordinator(
         strategy=make_strategy(options),
         config=coordinator_config(options, bind=bind, pub_port=pub_port, shard=shard,
                                   shards=options.shards),
-        optimizer=spec.optimizer,
+        optimizer=spec.optimizer, scheduler=spec.scheduler,
         lr=options.sgd_lr,
         evaluate=evaluate if sharded else spec.evaluate,
         on_step=on_step if first else None,
@@ -263,7 +263,7 @@ def make_colocated(
         index=index, count=options.workers, model=spec.build_model(), data=spec.data,
         loss=spec.loss, strategy=make_strategy(options),
         config=coordinator_config(options, bind=bind, shard=index, shards=options.workers),
-        optimizer=spec.optimizer, lr=options.sgd_lr,
+        optimizer=spec.optimizer, scheduler=spec.scheduler, lr=options.sgd_lr,
         evaluate=spec.evaluate if first else None, on_step=on_step if first else None,
     )
 

@@ -29,6 +29,7 @@ _CONTRACT: dict[str, tuple[int, str, bool]] = {
     "loss": (2, "loss(output, target) -> scalar tensor", True),
     "optimizer": (1, "optimizer(params) -> torch.optim.Optimizer", False),
     "evaluate": (1, "evaluate(model) -> dict[str, float]", False),
+    "scheduler": (1, "scheduler(optimizer) -> a torch LR scheduler", False),
 }
 
 
@@ -44,6 +45,7 @@ class Spec:
     loss: Callable[[Any, Any], Any]
     optimizer: Callable[[Any], Any] | None
     evaluate: Callable[[nn.Module], dict[str, float]] | None
+    scheduler: Callable[[Any], Any] | None = None
 
     def build_model(self) -> nn.Module:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _initial() -> torch.nn.Module:
 
 
 def _train(strategy: Strategy, steps: int, b: int, metrics: Path | None = None,
-           clip: float | None = None) -> tuple[Coordinator, dict]:
+           clip: float | None = None, scheduler: Any = None) -> tuple[Coordinator, dict]:
     """Train with in-loop workers (plain SGD everywhere) and return the coordinator and summary."""
 
     async def train() -> tuple[Coordinator, dict]:
@@ -50,11 +51,12 @@ def _train(strategy: Strategy, steps: int, b: int, metrics: Path | None = None,
             model=_initial(), strategy=strategy, optimizer=_sgd,
             config=CoordinatorConfig(batch_size=b, steps=steps, metrics=metrics,
                                      clip_grad_norm=clip),
+            scheduler=scheduler,
         )
         endpoint = coordinator.bind()
         workers = [
             Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=_sgd,
-                   config=WorkerConfig(connect=endpoint, rank=rank))
+                   config=WorkerConfig(connect=endpoint, rank=rank), scheduler=scheduler)
             for rank in range(strategy.workers)
         ]
         results = await asyncio.gather(coordinator.run(), *(w.run() for w in workers))
@@ -145,6 +147,60 @@ def test_average_workers_clip_their_own_gradients() -> None:
     averaged, _ = _train(PeriodicAveraging(workers=workers, average_every=h), rounds, b,
                          clip=CLIP)
     _assert_same(averaged.model, _local_sgd(workers, rounds, h, b, clip=CLIP))
+
+
+def _halving(optimizer: torch.optim.Optimizer) -> Any:
+    return {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5),
+            "interval": "step"}
+
+
+def test_sync_steps_the_schedule_at_each_version_and_records_its_lr(tmp_path: Path) -> None:
+    workers, steps, b = 2, 12, 8
+    metrics = tmp_path / "m.jsonl"
+    scheduled, _ = _train(Sync(workers=workers), steps, b, metrics=metrics, scheduler=_halving)
+    model = _initial()
+    optimizer = _sgd(model.parameters())
+    schedule = _halving(optimizer)["scheduler"]
+    batches = iter(digits.data(0, 1, workers * b))
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        optimizer.zero_grad()
+        digits.loss(model(inputs), targets).backward()
+        optimizer.step()
+        schedule.step()
+    _assert_same(scheduled.model, model)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    lrs = [r["lr"] for r in records if r["event"] == "step"]
+    assert lrs == [LR] * 4 + [LR / 2] * 4 + [LR / 4] * 4
+
+
+def test_sync_steps_an_epoch_schedule_at_each_pass_over_the_shards(tmp_path: Path) -> None:
+    workers, b = 2, 64  # digits' training samples: 11 batches a shard, 11 versions an epoch
+    metrics = tmp_path / "m.jsonl"
+
+    def by_epoch(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+
+    _train(Sync(workers=workers), 30, b, metrics=metrics, scheduler=by_epoch)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    lrs = [r["lr"] for r in records if r["event"] == "step"]
+    per_epoch = len(digits.data(0, workers, b))
+    assert per_epoch == 11
+    assert lrs == pytest.approx([LR] * 11 + [LR / 10] * 11 + [LR / 100] * 8)
+
+
+def test_average_workers_step_their_own_schedules() -> None:
+    """Their lr falls to 0 after four local steps: whatever the rounds, the average is of
+    each worker's first four steps."""
+    workers, h, b = 2, 5, 8
+
+    def four_steps(optimizer: torch.optim.Optimizer) -> Any:
+        return {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.0),
+                "interval": "step"}
+
+    averaged, _ = _train(PeriodicAveraging(workers=workers, average_every=h), 2, b,
+                         scheduler=four_steps)
+    _assert_same(averaged.model, _local_sgd(workers, 1, 4, b))
 
 
 def test_outer_sgd_with_lr_one_is_plain_averaging() -> None:

@@ -247,6 +247,11 @@ _MISTAKES = {
         "def optimizer(params):\n    return None\n",
         ("optimizer(params) returned NoneType, not a torch.optim.Optimizer: return the "
          "optimizer it makes (or define no optimizer() for SGD with --lr)")),
+    "scheduler-none": (
+        "def scheduler(optimizer):\n    return None\n",
+        ("scheduler(optimizer) returned NoneType, not a torch LR scheduler: return the one it "
+         "makes on that optimizer (StepLR(optimizer, ...), say), or {{'scheduler': it, "
+         "'interval': 'epoch' or 'step'}}")),
     "evaluate-float": (
         "def evaluate(model):\n    return 0.5\n",
         ("evaluate(model) returned float: it must return a dict of names to numbers, such as "
