@@ -27,6 +27,7 @@ class CoordinatorConfig:
     # Copy the weights every this many seconds of training, and evaluate the copies after
     # training (an accuracy-against-time curve that does not slow the run); None: no copies.
     eval_every_s: float | None = None
+    eval_every_epochs: int | None = None  # or every this many passes over the shards
     # Below this many live workers the run stops with an error instead of training on.
     min_workers: int = 1
     # Ranks 0..max_workers-1 exist (and data is sharded max_workers ways): workers beyond
@@ -71,6 +72,10 @@ class CoordinatorConfig:
             raise ValueError("resume and checkpoint_every need a checkpoint_dir")
         if self.eval_every_s is not None and not self.eval_every_s > 0:
             raise ValueError(f"eval_every_s must be positive, got {self.eval_every_s}")
+        if self.eval_every_epochs is not None and self.eval_every_epochs < 1:
+            raise ValueError(f"eval_every_epochs must be at least 1, got {self.eval_every_epochs}")
+        if self.eval_every_s is not None and self.eval_every_epochs is not None:
+            raise ValueError("give eval_every_s or eval_every_epochs, not both")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of steps and epochs")
         for name in ("steps", "epochs"):

@@ -176,7 +176,7 @@ class Coordinator:
         for every deadline and record (bus.clock). `scheduler`: the SPEC's, stepped here on
         the optimizer that steps the versions (nodes.schedules); under average each worker
         steps its own, and it is not used here."""
-        if isinstance(model, ShardModel) and config.eval_every_s:
+        if isinstance(model, ShardModel) and (config.eval_every_s or config.eval_every_epochs):
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
                              "that nodes.shards.assemble fills")
@@ -211,7 +211,8 @@ class Coordinator:
         self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
         self._target = config.steps  # in versions; or
         self._target_samples: int | None = None  # from --epochs, fixed when training starts
-        self._evals = EvalPoints(config.eval_every_s, evaluate)
+        self._evals = EvalPoints(config.eval_every_s, evaluate,
+                                 every_epochs=config.eval_every_epochs)
         # Versions made in shared memory, which workers of this host read where they lie.
         self._gallery = gallery if pool is not None else weights_gallery(config)
         layout = self.flat.layout
@@ -765,7 +766,8 @@ class Coordinator:
                 member.phase = Phase.COMPUTING.value
         # (Not before training started: the first copy is taken then, by _carry_out, and
         # train_s() is 0 until it does.)
-        if self.metrics.trained_from is not None and self._evals.due(self.metrics.train_s()):
+        if self.metrics.trained_from is not None and self._evals.due(
+                self.metrics.train_s(), self._epochs_done()):
             self._take_eval_point()
         done = self._done_share()
         if self._on_step is not None:
@@ -786,7 +788,8 @@ class Coordinator:
 
     def _take_eval_point(self) -> None:
         """A copy of the weights as they are now, evaluated after training (nodes.evalpoints)."""
-        self._evals.take(self.master, self.version, self.metrics.samples, self.metrics.train_s())
+        self._evals.take(self.master, self.version, self.metrics.samples, self.metrics.train_s(),
+                         self._epochs_done() if self._evals.by_epoch else None)
 
     def _used(self, rank: int) -> None:
         """A push of `rank`'s was applied or dropped: the `local_steps` batches of its shard
@@ -895,6 +898,16 @@ class Coordinator:
             return self.lr
         return float(optimizer.param_groups[0]["lr"])
 
+    def _epochs_done(self) -> int | None:
+        """Passes of samples over every worker's shard so far; None while a shard's length
+        is not known (data() without len(), before its first pass has ended)."""
+        if self._epoch_samples is None:
+            batches = [m.batches for m in self._members if m.ready]
+            if not batches or min(batches) < 1:
+                return None
+            self._epoch_samples = sum(batches) * self.config.batch_size
+        return self.metrics.samples // self._epoch_samples
+
     def _step_schedule(self) -> None:
         """Step the schedule after a version: at each one ("step"), or at each pass of
         samples over every worker's shard ("epoch", once their lengths are known)."""
@@ -904,12 +917,9 @@ class Coordinator:
         if schedule.interval == "step":
             steps = 1
         else:
-            if self._epoch_samples is None:
-                batches = [m.batches for m in self._members if m.ready]
-                if not batches or min(batches) < 1:
-                    return  # (not known yet: counted from the samples once it is)
-                self._epoch_samples = sum(batches) * self.config.batch_size
-            epochs = self.metrics.samples // self._epoch_samples
+            epochs = self._epochs_done()
+            if epochs is None:
+                return  # (not known yet: counted from the samples once it is)
             steps, self._epochs_stepped = epochs - self._epochs_stepped, epochs
         with warnings.catch_warnings():
             # A plain SGD step is taken here without optimizer.step() (it reads the lr

@@ -16,7 +16,7 @@ from tensorbus.nodes.metrics import Metrics
 Evaluate = Callable[[nn.Module], dict[str, float]]
 
 # The fields of an `eval` line that evaluate()'s names must not overwrite.
-_EVAL_FIELDS = ("event", "wall_s", "version", "samples", "train_s")
+_EVAL_FIELDS = ("event", "wall_s", "version", "samples", "train_s", "epoch")
 
 
 class EvaluateError(Exception):
@@ -64,30 +64,48 @@ class _Point:
     version: int
     samples: int
     train_s: float
+    epoch: int | None  # passes over the shards done, where they are counted
     weights: tuple[torch.Tensor, ...]
 
 
 class EvalPoints:
-    """The copies taken so far, and when the next is due. Inert without `every` or
-    without `evaluate`."""
+    """The copies taken so far, and when the next is due: every `every` seconds of
+    training from its start, or at the end of every `every_epochs` passes over the
+    shards. Inert without either, or without `evaluate`."""
 
-    def __init__(self, every: float | None, evaluate: Evaluate | None) -> None:
+    def __init__(self, every: float | None, evaluate: Evaluate | None, *,
+                 every_epochs: int | None = None) -> None:
         self._every = every if evaluate is not None else None
+        self._every_epochs = every_epochs if evaluate is not None else None
         self._evaluate = evaluate
         self._points: list[_Point] = []
         self._next_s = 0.0
+        self._next_epoch = every_epochs or 0
 
-    def due(self, train_s: float) -> bool:
-        """Whether a copy is to be taken at `train_s` seconds of training."""
+    @property
+    def by_epoch(self) -> bool:
+        return self._every_epochs is not None
+
+    def due(self, train_s: float, epoch: int | None = None) -> bool:
+        """Whether a copy is to be taken at `train_s` seconds of training, `epoch` passes
+        done (None: not known yet)."""
+        if self._every_epochs is not None:
+            return epoch is not None and epoch >= self._next_epoch
         return self._every is not None and train_s >= self._next_s
 
-    def take(self, master: Master, version: int, samples: int, train_s: float) -> None:
+    def take(self, master: Master, version: int, samples: int, train_s: float,
+             epoch: int | None = None) -> None:
         """Copy the master's weights, of `version`, as they are at `train_s`."""
-        if self._every is None:
+        if self._every is None and self._every_epochs is None:
             return
+        if self._every_epochs is not None and epoch is None:
+            return  # (by epoch: not at the start)
         weights = tuple(w.clone() for w in master.flat.weights)
-        self._points.append(_Point(version, samples, train_s, weights))
-        self._next_s = train_s + self._every
+        self._points.append(_Point(version, samples, train_s, epoch, weights))
+        if self._every is not None:
+            self._next_s = train_s + self._every
+        if self._every_epochs is not None and epoch is not None:
+            self._next_epoch = epoch + self._every_epochs
 
     def evaluate(self, master: Master, metrics: Metrics) -> None:
         """Evaluate each copy on the master's model (its weights loaded in turn, the final
@@ -101,8 +119,9 @@ class EvalPoints:
             for point in self._points:
                 flat.load(point.weights)
                 said = figures(self._evaluate, flat.module, taken=_EVAL_FIELDS)
+                epoch = {"epoch": point.epoch} if point.epoch is not None else {}
                 metrics.write("eval", version=point.version, samples=point.samples,
-                              train_s=round(point.train_s, 6), **said)
+                              train_s=round(point.train_s, 6), **epoch, **said)
         finally:
             flat.load(final)
         self._points.clear()

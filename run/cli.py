@@ -287,7 +287,10 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         batch_size=args.batch_size, lr=args.lr, seed=args.seed, metrics=args.metrics,
         heartbeat_s=args.heartbeat, timeout_s=args.timeout, join_timeout_s=args.join_timeout,
         strategy_options={k: getattr(args, k) for k in flags.STRATEGY_FLAGS if getattr(args, k) is not None},
-        faults=tuple(getattr(args, "fault", None) or ()), eval_every_s=args.eval_every,
+        faults=tuple(getattr(args, "fault", None) or ()),
+        eval_every_s=args.eval_every if isinstance(args.eval_every, float) else None,
+        eval_every_epochs=(int(args.eval_every[:-2]) if isinstance(args.eval_every, str)
+                           else None),
         min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
         trace=args.trace, compress=args.compress or "", shards=_shards(args),

@@ -298,9 +298,10 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
                         "largest R of their elements (topk:0.01: 1%%, with error "
                         "feedback); the coordinator keeps fp32 weights (sync, ssp, async)")
     _shared_memory(p)
-    p.add_argument("--eval-every", type=float, metavar="SECONDS",
-                   help="copy the weights every SECONDS of training and evaluate the copies "
-                        "after training (accuracy against time, in --metrics)")
+    p.add_argument("--eval-every", type=_eval_every, metavar="SECONDS|Nep",
+                   help="copy the weights every SECONDS of training, or at the end of every "
+                        "N epochs (1ep), and evaluate the copies after training (accuracy "
+                        "against time, in --metrics)")
     s = p.add_argument_group("strategy options")
     s.add_argument("--backups", type=int, metavar="K",
                    help="sync: step on the first WORKERS-K gradients of a version")
@@ -315,6 +316,19 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
     s.add_argument("--outer-momentum", type=float, help="average: its momentum")
     s.add_argument("--nesterov", action="store_true", default=None,
                    help="average: Nesterov momentum for the outer SGD")
+
+
+def _eval_every(text: str) -> float | str:
+    """`--eval-every`: seconds (a number), or epochs ("1ep"), kept as given."""
+    if text.endswith("ep"):
+        if not text[:-2].isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: write a whole number of epochs, 1ep")
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither seconds (30) nor epochs "
+                                         "(1ep)") from None
 
 
 def _shard(text: str) -> tuple[int, int]:

@@ -47,6 +47,7 @@ class RunOptions:
     strategy_options: Mapping[str, Any] = field(default_factory=dict)
     faults: tuple[str, ...] = ()  # `local` only: slow:RANK:MS, crash:RANK:STEP
     eval_every_s: float | None = None
+    eval_every_epochs: int | None = None  # `--eval-every Nep`
     min_workers: int = 1
     max_workers: int | None = None
     checkpoint_dir: Path | None = None
@@ -86,6 +87,8 @@ class RunOptions:
                              f"{self.clip_grad_norm:g}")
         if self.eval_every_s is not None and not self.eval_every_s > 0:
             raise ValueError(f"--eval-every must be positive, got {self.eval_every_s:g}")
+        if self.eval_every_epochs is not None and self.eval_every_epochs < 1:
+            raise ValueError(f"--eval-every must be at least 1ep, got {self.eval_every_epochs}ep")
         parse_local(self.faults, self.workers)
         if self.max_workers is not None and self.max_workers < self.workers:
             raise ValueError(f"--max-workers ({self.max_workers}) must be at least --workers "
@@ -99,7 +102,7 @@ class RunOptions:
             raise ValueError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
         if self.shards < 1:
             raise ValueError(f"--shards must be at least 1, got {self.shards}")
-        if self.shards > 1 and self.eval_every_s is not None:
+        if self.shards > 1 and self.evaluates_during_training:
             raise ValueError("--eval-every evaluates the whole model during training, and each "
                              "of --shards holds a range of it: drop one of them")
         strategy = make_strategy(self)  # one-line errors for its options now, not at start-up
@@ -116,6 +119,10 @@ class RunOptions:
             raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
                              "pushes weights: drop it, or choose sync, ssp or async")
 
+
+    @property
+    def evaluates_during_training(self) -> bool:
+        return self.eval_every_s is not None or self.eval_every_epochs is not None
 
     @property
     def sgd_lr(self) -> float:
@@ -146,7 +153,7 @@ class RunOptions:
         if any(f.startswith("crash:") for f in self.faults):
             raise ValueError("--colocate: a crashed worker takes its shard of the model with "
                              "it and the run cannot go on; drop the crash fault")
-        if self.eval_every_s is not None:
+        if self.evaluates_during_training:
             raise ValueError("--eval-every evaluates the whole model during training, and "
                              "with --colocate each worker's shard holds a range of it: drop "
                              "one of them")
@@ -235,6 +242,7 @@ def coordinator_config(
         join_timeout_s=options.join_timeout_s,
         metrics=options.metrics if first else None,
         eval_every_s=options.eval_every_s,
+        eval_every_epochs=options.eval_every_epochs,
         min_workers=options.min_workers,
         max_workers=options.max_workers,
         checkpoint_dir=checkpoint_dir,

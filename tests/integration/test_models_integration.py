@@ -203,6 +203,27 @@ def test_average_workers_step_their_own_schedules() -> None:
     _assert_same(averaged.model, _local_sgd(workers, 1, 4, b))
 
 
+def test_eval_every_epoch_evaluates_a_copy_at_each_pass(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+
+    async def train() -> None:
+        coordinator = Coordinator(
+            model=_initial(), strategy=Sync(workers=2), optimizer=_sgd, evaluate=digits.evaluate,
+            config=CoordinatorConfig(batch_size=64, epochs=3, metrics=metrics,
+                                     eval_every_epochs=1))
+        endpoint = coordinator.bind()
+        await asyncio.gather(coordinator.run(), *(
+            Worker(model=digits.model(), data=digits.data, loss=digits.loss,
+                   config=WorkerConfig(connect=endpoint, rank=rank)).run() for rank in range(2)))
+
+    asyncio.run(train())
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    evals = [(r["epoch"], r["version"]) for r in records if r["event"] == "eval"]
+    assert evals == [(0, 0), (1, 11), (2, 22), (3, 33)]  # 11 versions an epoch
+    accuracies = [r["accuracy"] for r in records if r["event"] == "eval"]
+    assert accuracies[-1] > accuracies[0]
+
+
 def test_outer_sgd_with_lr_one_is_plain_averaging() -> None:
     workers, rounds, h, b = 2, 4, 3, 8
     plain, _ = _train(PeriodicAveraging(workers=workers, average_every=h), rounds, b)
