@@ -151,6 +151,9 @@ class Ready(Message):
     # Batches per epoch of this worker's shard; -1: not known yet (its pushes say it once its
     # first pass has ended); -2: never (a relay: its workers' data is theirs).
     batches: int
+    # Samples of the data set each epoch leaves out, where the shard says (run.shards.Shards:
+    # its last partial global batch); 0: none, or not known.
+    unused: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -501,8 +501,9 @@ class Coordinator:
                 member.phase = phase
                 member.clock = max(member.clock, clock)
                 member.version = max(member.version, version)
-            case Ready(batches=batches):
+            case Ready(batches=batches, unused=unused):
                 member.ready, member.batches = True, batches
+                self.metrics.unused = max(self.metrics.unused, unused)
                 decisions = self.strategy.handle(Joined(member.rank, now))
                 await self._answer(peer, member, message.request, decisions, now, push=False)
                 await self._carry_out(decisions)
@@ -721,6 +722,10 @@ class Coordinator:
                     await self._unpark(workers)
                     if self.metrics.trained_from is None and self.strategy.started:
                         self.metrics.training_started()
+                        if self.metrics.unused:
+                            log.info("each epoch leaves out %d sample(s) of the data: the last "
+                                     "partial global batch (its data() says so)",
+                                     self.metrics.unused)
                         self._take_eval_point()
                 case Stall(version=version, waiting_for=waiting, waited_s=waited):
                     names = ", ".join(m.describe() for m in self._members if m.rank in waiting)

@@ -53,6 +53,7 @@ class Metrics:
         self.resumed_from: int | None = None  # the checkpoint's version, in a resumed run
         self.stopped_by: str | None = None  # what asked for the stop before the end (a signal)
         self.checkpoint: str | None = None  # the last checkpoint written
+        self.unused = 0  # samples each epoch leaves out, as the workers' data says
 
     def worker(self, rank: int) -> dict[str, float]:
         """The counters of one worker, made on first use."""
@@ -124,6 +125,7 @@ class Metrics:
             "resumed_from": self.resumed_from,
             "stopped_by": self.stopped_by,
             "checkpoint": self.checkpoint,
+            "unused": self.unused,
             "per_worker": {
                 str(rank): {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
                 for rank, c in sorted(self.per_worker.items())

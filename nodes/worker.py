@@ -120,6 +120,7 @@ class Worker:
         self._optimizer: torch.optim.Optimizer | None = None
         self._clip = 0.0  # the gradient norm its own steps clip to (average's); 0: none
         self._make_scheduler = scheduler
+        self._unused = 0  # samples an epoch leaves out, as its data says (Ready.unused)
         self._schedule: Schedule | None = None  # on its own optimizer, if it has one
         self._epochs_stepped = 0  # passes over its shard the schedule was stepped for
         self.steps = 0  # local steps computed
@@ -331,6 +332,8 @@ class Worker:
             self._enter(Phase.LOADING)
             seed_generators(welcome.seed, self.rank)  # before data(), which may shuffle
             shards = await self._off_loop(self._load, welcome)
+            unused = getattr(shards, "unused", 0)
+            self._unused = unused if isinstance(unused, int) and unused > 0 else 0
             self._batches = _Epochs(shards, self._describe_data(welcome),
                                     anew=_on_loop(asyncio.get_running_loop()),
                                     again=functools.partial(self._load, welcome))
@@ -370,7 +373,7 @@ class Worker:
         # Answered when the coordinators' start gates open: everyone starts together.
         await asyncio.gather(*(
             link.request(Ready(sender=self.rank, version=link.version,
-                               batches=self._batches.length), patient=True)
+                               batches=self._batches.length, unused=self._unused), patient=True)
             for link in self.links))
         if pipelined:
             self.flat.use_grad_sets(2)

@@ -46,6 +46,11 @@ class Shards:
     def __len__(self) -> int:
         return self.num_batches
 
+    @property
+    def unused(self) -> int:
+        """Samples each epoch leaves out, of every rank's: the last partial global batch."""
+        return len(self.x) - self.num_batches * self.global_batch
+
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         epoch, self.epoch = self.epoch, self.epoch + 1
         return self._batches(epoch)

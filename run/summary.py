@@ -11,7 +11,8 @@ from typing import Any
 # The summary's own fields (nodes.metrics); any other name is a figure of evaluate()'s.
 _FIELDS = {"event", "strategy", "workers", "steps", "samples", "wall_s", "train_s",
            "final_loss", "dropped", "rejected", "max_staleness", "max_clock_gap", "broadcasts",
-           "lost", "ended", "resumed_from", "stopped_by", "checkpoint", "per_worker"}
+           "lost", "ended", "resumed_from", "stopped_by", "checkpoint", "per_worker",
+           "unused"}
 
 
 def table(summary: dict[str, Any], metrics: Path | None, *, keeps: bool = True) -> str:
@@ -34,6 +35,9 @@ def table(summary: dict[str, Any], metrics: Path | None, *, keeps: bool = True) 
     if summary.get("max_clock_gap"):
         lines.append(f"  staleness    at most {summary['max_staleness']} versions, clocks at "
                      f"most {summary['max_clock_gap']} apart")
+    if summary.get("unused"):
+        lines.append(f"  unused       {summary['unused']} samples an epoch (the last partial "
+                     "global batch)")
     lines.append(f"  ended        {summary['ended'] or '-'}")
     if metrics is not None:
         lines.append(f"  every step and the whole summary: {metrics}")

@@ -222,6 +222,8 @@ def test_eval_every_epoch_evaluates_a_copy_at_each_pass(tmp_path: Path) -> None:
     assert evals == [(0, 0), (1, 11), (2, 22), (3, 33)]  # 11 versions an epoch
     accuracies = [r["accuracy"] for r in records if r["event"] == "eval"]
     assert accuracies[-1] > accuracies[0]
+    shard = digits.data(0, 2, 64)  # what each epoch leaves out is said, not dropped in silence
+    assert records[-1]["unused"] == len(shard.x) - 11 * 128 == shard.unused > 0
 
 
 def test_outer_sgd_with_lr_one_is_plain_averaging() -> None:
