@@ -152,7 +152,7 @@ SAMPLES = {
                           compress="bf16",
                           shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
                           seed=3, clip_grad_norm=0.5, tensors=WEIGHTS),
-    Kind.READY: Ready(sender=3, request=12, version=7, batches=125),
+    Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14,
                     tensors=WEIGHTS),
