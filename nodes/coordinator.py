@@ -184,6 +184,7 @@ class Coordinator:
         self.strategy = strategy
         self.config = config
         self._hub = hub
+        self._own_optimizer = optimizer is not None  # the SPEC's: --lr does not set its lr
         self._transport = transport
         self._clock = clock
         self.flat = FlatModel(model)
@@ -228,6 +229,7 @@ class Coordinator:
                              alias=self._ALIAS, clip_grad_norm=config.clip_grad_norm)
         if pool is not None:  # every version is made in the given pool's sets, the first too
             self.flat.rebind(self.master.copy())
+        self._correct_momentum()
         self._schedule = (make_schedule(scheduler, self.master.optimizer)
                           if scheduler is not None and self.master.optimizer is not None
                           and not weights_pushed else None)
@@ -672,7 +674,18 @@ class Coordinator:
             return
         await self._fail(Diverged(
             ranks=tuple(bad), window=_DIVERGED_AFTER, waiting=tuple(waiting),
-            version=self.version if self.state is State.TRAINING else None))
+            version=self.version if self.state is State.TRAINING else None,
+            lr="the lr of the SPEC's optimizer()" if self._own_optimizer else "--lr",
+            remedies=self._remedies()))
+
+    def _remedies(self) -> tuple[str, ...] | None:
+        """The stale-update remedies on, where the strategy has stale updates."""
+        if self.strategy.rhythm.push is PushKind.WEIGHTS or self.strategy.name == "sync":
+            return None
+        on = [name for name, flag in (("momentum correction", "momentum_correction"),
+                                      ("--staleness-lr", "staleness_lr"))
+              if getattr(self.strategy, flag, False)]
+        return tuple(on)
 
     async def _answer(
         self, peer: bytes, member: Member, request: int, decisions: list[Decision], now: float,
@@ -894,6 +907,23 @@ class Coordinator:
         if self._fold is not None:
             self.master.let_go(self._fold.into)
             self._fold = None
+
+    def _correct_momentum(self) -> None:
+        """Lower the optimizer's momentum where the strategy's stale updates add their own
+        (async, ssp: strategies.stale), and say so."""
+        optimizer = self.master.optimizer
+        if optimizer is None or self.strategy.rhythm.push is PushKind.WEIGHTS:
+            return
+        for group in optimizer.param_groups:
+            asked = group.get("momentum")
+            if not isinstance(asked, float | int) or not asked:
+                continue
+            group["momentum"] = self.strategy.corrected_momentum(float(asked))
+            if group["momentum"] != asked:
+                log.info("%s with %d workers: momentum %g -> %g and each gradient scaled by "
+                         "1/%d, for the momentum their stale updates add (momentum correction;"
+                         " --no-momentum-correction turns it off)", self.strategy.name,
+                         self.strategy.workers, asked, group["momentum"], self.strategy.workers)
 
     def _lr(self) -> float:
         """The learning rate versions are stepped with now (the workers' under average

@@ -37,6 +37,10 @@ class Diverged(TrainingError):
     window: int
     version: int | None  # None: before any step, on the initial weights
     waiting: tuple[int, ...] = ()
+    lr: str = "--lr"  # what sets the learning rate: --lr, or the SPEC's optimizer()
+    # async and ssp: the stale-update remedies on ("momentum correction", "--staleness-lr");
+    # None: a strategy without stale updates (sync, average)
+    remedies: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         TrainingError.__init__(self)
@@ -45,7 +49,18 @@ class Diverged(TrainingError):
     def examples(cls) -> tuple[Diverged, ...]:
         return (cls(ranks=(1,), window=8, version=None, waiting=(0, 2)),
                 cls(ranks=(0, 1), window=8, version=None),
-                cls(ranks=(0, 1), window=8, version=1))
+                cls(ranks=(0, 1), window=8, version=1),
+                cls(ranks=(0, 1), window=8, version=40, lr="the lr of the SPEC's optimizer()",
+                    remedies=()),
+                cls(ranks=(0, 1), window=8, version=40, remedies=("momentum correction",)))
+
+    def _lower(self) -> str:
+        """What to change: the lr where it is set, and for stale updates the remedies."""
+        if self.remedies is None:
+            return f"lower {self.lr}"
+        on = f"with {' and '.join(self.remedies)} on" if self.remedies else "with no remedy on"
+        return (f"lower {self.lr} ({on}: the stale-update remedies are momentum correction, "
+                "the default, and --staleness-lr)")
 
     def describe(self) -> str:
         started = self.version is not None
@@ -59,13 +74,13 @@ class Diverged(TrainingError):
                     f"{'them' if ones else 'it'} with finite ones: the SPEC's data() for "
                     f"{'those ranks' if ones else 'that rank'} (or the model or loss on its "
                     "batches) gives them: check it on one batch"
-                    + ("; or training is diverging: lower --lr" if started else ""))
+                    + (f"; or training is diverging: {self._lower()}" if started else ""))
         if not started:  # no step taken: the lr is not the cause
             return (f"every worker's first {self.window} updates were not finite (NaN or inf), "
                     "on the initial weights, before any step: the SPEC's model(), loss() or "
                     "data() gives them: check them on one batch")
         return (f"training diverged: every worker's last {self.window} updates were not finite "
-                f"(NaN or inf), at version {self.version}: lower --lr, or use a larger "
+                f"(NaN or inf), at version {self.version}: {self._lower()}, or use a larger "
                 "--batch-size")
 
 

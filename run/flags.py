@@ -307,8 +307,13 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
                    help="sync: step on the first WORKERS-K gradients of a version")
     s.add_argument("--staleness", type=int, metavar="S",
                    help="ssp: clocks differ by at most S+1 (default 2)")
-    s.add_argument("--staleness-lr", action="store_true", default=None,
-                   help="ssp, async: divide each step by 1 + its staleness")
+    s.add_argument("--staleness-lr", action=argparse.BooleanOptionalAction, default=None,
+                   help="ssp, async: divide each step by 1 + its staleness (default off)")
+    s.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="ssp, async: lower the optimizer's momentum by 1 - 1/WORKERS and "
+                        "scale each gradient by 1/WORKERS, for the momentum stale updates "
+                        "add (default on)")
     s.add_argument("--average-every", type=int, metavar="H",
                    help="average: local steps between averages (default 8)")
     s.add_argument("--outer-lr", type=float,

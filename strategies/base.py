@@ -194,6 +194,11 @@ class Strategy(ABC):
     def handle(self, event: Event) -> list[Decision]:
         """Take one event, return what the coordinator must do, in order."""
 
+    def corrected_momentum(self, momentum: float) -> float:
+        """The momentum the coordinator's optimizer should use where the SPEC asks for
+        `momentum`: as asked, unless stale updates add momentum of their own (stale.py)."""
+        return momentum
+
     def state(self) -> dict[str, int]:
         """What a checkpoint keeps of this strategy: its version. Members, clocks and held
         updates are not kept: after a restart, workers join again (level with each other)

@@ -5,8 +5,19 @@ of its gradients taken. In ssp with staleness S, a worker whose clock is more th
 of the slowest live member's is held after its push (its Push is not answered) until the
 slowest catches up (Ho et al. 2013): clocks then never differ by more than S + 1, and S = 0
 is lockstep. Async is the same with no bound: nobody is ever held, and a worker goes on with the newest
-weights it has instead of catching up first. Either may damp a
-stale gradient by 1 / (1 + staleness), staleness counted in versions.
+weights it has instead of catching up first.
+
+Stale gradients need a remedy with the optimizers people use (SGD with momentum 0.9 diverges
+at the learning rate sync takes). Both carry two:
+
+- Momentum correction, on by default (Mitliagkas, Zhang, Hadjis and Ré, "Asynchrony begets
+  momentum, with an application to deep learning", 2016): W workers pushing in turn add
+  an implicit momentum of about 1 - 1/W, so the optimizer's own momentum is lowered by as
+  much (`corrected_momentum`, which the coordinator applies to its optimizer), and each
+  gradient is scaled by 1/W, so that W of them move the weights as sync's one average of W
+  does. Chosen by measurement: benchmarks/async_remedy.py.
+- The staleness-aware rate, off by default (Zhang, Gupta, Lian and Liu, IJCAI 2016): each
+  gradient damped by 1 / (1 + staleness), staleness counted in versions.
 """
 
 from __future__ import annotations
@@ -41,7 +52,8 @@ _ASYNC = Rhythm(push=PushKind.GRADIENT, local_steps=1, wait=Wait.NOTHING)
 
 class StaleSync(Strategy):
     name: ClassVar[str] = "ssp"
-    options: ClassVar[frozenset[str]] = frozenset({"staleness", "staleness_lr"})
+    options: ClassVar[frozenset[str]] = frozenset({"staleness", "staleness_lr",
+                                                   "momentum_correction"})
 
     def __init__(
         self,
@@ -49,6 +61,7 @@ class StaleSync(Strategy):
         workers: int,
         staleness: int | None = 2,
         staleness_lr: bool = False,
+        momentum_correction: bool = True,
         stall_after_s: float = 30.0,
     ) -> None:
         super().__init__(workers=workers, rhythm=_SSP if staleness is not None else _ASYNC,
@@ -57,8 +70,16 @@ class StaleSync(Strategy):
             raise ValueError(f"staleness must be at least 0, got {staleness}")
         self.staleness = staleness  # None: no bound (async)
         self.staleness_lr = staleness_lr
+        self.momentum_correction = momentum_correction
         self._held: dict[int, float] = {}  # held worker -> since when
         self._stall_reported: dict[int, float] = {}
+
+    def corrected_momentum(self, momentum: float) -> float:
+        """The optimizer's momentum to use for `momentum` given: lowered by the implicit
+        momentum of this many workers' pushes, 1 - 1/workers (see the module's docstring)."""
+        if not self.momentum_correction:
+            return momentum
+        return max(0.0, momentum - (1.0 - 1.0 / self.workers))
 
     def handle(self, event: Event) -> list[Decision]:
         match event:
@@ -77,6 +98,8 @@ class StaleSync(Strategy):
                 self.clocks[worker] += 1
                 staleness = self.version - version
                 scale = 1.0 / (1 + staleness) if self.staleness_lr else 1.0
+                if self.momentum_correction:
+                    scale /= self.workers
                 decisions: list[Decision] = [
                     Keep(worker, version), Apply(version, (worker,), scale), *self._release()
                 ]
@@ -125,8 +148,9 @@ class Async(StaleSync):
     """Asynchronous SGD (Downpour-style): ssp without a bound; no worker ever waits."""
 
     name: ClassVar[str] = "async"
-    options: ClassVar[frozenset[str]] = frozenset({"staleness_lr"})
+    options: ClassVar[frozenset[str]] = frozenset({"staleness_lr", "momentum_correction"})
 
-    def __init__(self, *, workers: int, staleness_lr: bool = False, stall_after_s: float = 30.0) -> None:
+    def __init__(self, *, workers: int, staleness_lr: bool = False,
+                 momentum_correction: bool = True, stall_after_s: float = 30.0) -> None:
         super().__init__(workers=workers, staleness=None, staleness_lr=staleness_lr,
-                         stall_after_s=stall_after_s)
+                         momentum_correction=momentum_correction, stall_after_s=stall_after_s)

@@ -430,7 +430,7 @@ def test_a_push_by_reference_that_needs_no_newer_version_is_answered_once_let_go
     it at the step, so the coordinator copies it out of the segment first. Each time the
     buffer is overwritten the moment the answer comes, and the step still reads the push.
     (Momentum's first step is plain SGD's: its buffer starts as the gradient.)"""
-    strategy: Any = Async(workers=2)
+    strategy: Any = Async(workers=2, momentum_correction=False)  # (the step's arithmetic as set)
     if not applied:
         strategy = Sync(workers=2)
         strategy.rhythm = Rhythm(push=PushKind.GRADIENT, local_steps=1, wait=Wait.NOTHING)

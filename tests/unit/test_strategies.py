@@ -244,7 +244,7 @@ def test_valid_backups_are_kept(workers, backups):
 def test_ssp_staleness_zero_is_lockstep():
     rng = random.Random(3)
     ids = [4, 0, 2, 9]
-    ssp = started(StaleSync(workers=4, staleness=0), ids)
+    ssp = started(StaleSync(workers=4, staleness=0, momentum_correction=False), ids)
     for round_ in range(20):
         order = rng.sample(ids, len(ids))
         *first, last = order
@@ -370,7 +370,8 @@ def test_staleness_in_apply_and_its_damping(cls):
     kwargs = {"staleness": 10} if cls is StaleSync else {}
     period = {0: 1, 1: 1, 2: 4}
     for damped in (False, True):
-        strategy = started(cls(workers=3, staleness_lr=damped, **kwargs), [0, 1, 2])
+        strategy = started(cls(workers=3, staleness_lr=damped, momentum_correction=False,
+                               **kwargs), [0, 1, 2])
         sim = Sim(strategy, period)
         for now in range(1, 101):
             sim.step(now)
@@ -380,8 +381,26 @@ def test_staleness_in_apply_and_its_damping(cls):
             assert scale == (1.0 / (1 + s) if damped else 1.0)
 
 
+@pytest.mark.parametrize("cls", [StaleSync, Async], ids=lambda c: c.name)
+def test_momentum_correction_scales_each_gradient_and_lowers_the_momentum(cls):
+    """On by default: W workers' stale pushes add a momentum of about 1 - 1/W (Mitliagkas et
+    al. 2016), taken off the optimizer's; each gradient counts 1/W, as in sync's average."""
+    strategy = started(cls(workers=4), [0, 1, 2, 3])
+    assert strategy.handle(Arrived(0, 0, 1.0))[1] == Apply(0, (0,), 1 / 4)
+    assert strategy.corrected_momentum(0.9) == pytest.approx(0.15)
+    assert strategy.corrected_momentum(0.5) == 0.0  # (never below none)
+    damped = started(cls(workers=4, staleness_lr=True), [0, 1, 2, 3])
+    damped.handle(Arrived(0, 0, 1.0))
+    assert damped.handle(Arrived(1, 0, 1.0))[1] == Apply(0, (1,), 1 / 2 / 4)  # both
+    off = started(cls(workers=4, momentum_correction=False), [0, 1, 2, 3])
+    assert off.handle(Arrived(0, 0, 1.0))[1] == Apply(0, (0,), 1.0)
+    assert off.corrected_momentum(0.9) == 0.9
+    assert Sync(workers=4).corrected_momentum(0.9) == 0.9
+
+
 def test_staleness_is_the_versions_applied_since_the_gradient_was_computed():
-    ssp = started(StaleSync(workers=2, staleness=None, staleness_lr=True), [0, 1])
+    ssp = started(StaleSync(workers=2, staleness=None, staleness_lr=True,
+                            momentum_correction=False), [0, 1])
     for v in range(4):
         assert ssp.handle(Arrived(0, v, 1.0)) == [Keep(0, v), Apply(v, (0,), 1.0)]
     assert ssp.handle(Arrived(1, 0, 2.0)) == [Keep(1, 0), Apply(0, (1,), 1 / 5)]
@@ -405,7 +424,7 @@ def test_ssp_left_of_the_straggler_releases_the_held_workers():
 
 
 def test_ssp_left_of_another_member_releases_nobody():
-    ssp = started(StaleSync(workers=3, staleness=0), [0, 1, 2])
+    ssp = started(StaleSync(workers=3, staleness=0, momentum_correction=False), [0, 1, 2])
     assert holds(ssp.handle(Arrived(0, 0, 1.0))) == [0]
     assert ssp.handle(Left(1, 2.0)) == []  # 2 is still at 0
     assert ssp.handle(Arrived(2, 1, 3.0)) == [Keep(2, 1), Apply(1, (2,)), Release((0,))]
@@ -419,7 +438,7 @@ def test_ssp_left_of_one_of_two_slowest_releases_nobody():
 
 
 def test_ssp_left_of_a_held_worker_drops_its_hold():
-    ssp = started(StaleSync(workers=2, staleness=0, stall_after_s=5.0), [0, 1])
+    ssp = started(StaleSync(workers=2, staleness=0, stall_after_s=5.0, momentum_correction=False), [0, 1])
     assert holds(ssp.handle(Arrived(0, 0, 1.0))) == [0]
     assert ssp.handle(Left(0, 2.0)) == []
     assert ssp.handle(Tick(100.0)) == []  # nobody held: nothing to report
@@ -687,8 +706,8 @@ def test_options_of_another_model_are_refused(cls):
 
 def test_options_per_model():
     assert Sync.options == {"backups"}
-    assert StaleSync.options == {"staleness", "staleness_lr"}
-    assert Async.options == {"staleness_lr"}
+    assert StaleSync.options == {"staleness", "staleness_lr", "momentum_correction"}
+    assert Async.options == {"staleness_lr", "momentum_correction"}
     assert PeriodicAveraging.options == {"average_every", "outer_lr", "outer_momentum", "nesterov"}
 
 
