@@ -82,7 +82,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               smoke=("--epochs", "1", "--limit", "20")),
     Benchmark(name="async_remedy", measures="async and ssp with momentum SGD: each remedy's accuracy",
               baseline="sync on the same data", minutes="10", runs=((),),
-              smoke=("--steps", "20")),
+              smoke=("--steps", "20", "--rounds", "1")),
     Benchmark(name="plot", measures="sync and async runs drawn by tensorbus plot",
               baseline="sync", minutes="1", runs=((),), smoke=("--steps", "20")),
     Benchmark(name="ab", measures="this checkout's training speed against commit REV's",
