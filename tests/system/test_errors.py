@@ -329,7 +329,9 @@ def test_one_rank_whose_updates_are_nan_stops_the_run_and_is_named(
         r"inf\), (on the initial weights, before any step|at version \d+), while workers 0 "
         r"and 2 wait for it with finite ones: the SPEC's data\(\) for that rank \(or the "
         r"model or loss on its batches\) gives them: check it on one batch"
-        r"(; or training is diverging: lower --lr)?", line), line
+        r"(; or training is diverging: lower --lr( \(with momentum correction on: the "
+        r"stale-update remedies are momentum correction, the default, and --staleness-lr\))?)?",
+        line), line
 
 
 def test_under_async_one_rank_whose_updates_are_nan_contributes_nothing(tmp_path: Path) -> None:
