@@ -65,6 +65,9 @@ class LoopClock:
         return self._epoch + self._loop.time()
 
 
+IDLE_LIMIT_S: Final = 10.0  # real seconds a VirtualTimeLoop waits with nothing to run
+
+
 class _JumpingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
     """A selector that, asked to wait, looks without waiting and, if nothing is ready,
     moves its loop's time on by the wait instead."""
@@ -82,8 +85,14 @@ class _JumpingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
             return super().select(timeout)
         if timeout is None:
             # No timer at all: only something from outside can come (another thread's
-            # call_soon_threadsafe); wait for it in real time.
-            return super().select(None)
+            # call_soon_threadsafe). Wait for it in real time, but not for ever: a scenario
+            # where nothing can happen any more is a deadlock, said as one.
+            ready = super().select(IDLE_LIMIT_S)
+            if not ready:
+                raise RuntimeError(f"the virtual-time loop had nothing to run for "
+                                   f"{IDLE_LIMIT_S:g} s: no timer, no thread, nothing ready "
+                                   "(a wait that nothing will end)")
+            return ready
         self._loop.now += timeout
         return []
 

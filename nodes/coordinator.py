@@ -17,7 +17,6 @@ import enum
 import functools
 import logging
 import math
-import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -234,7 +233,6 @@ class Coordinator:
                           if scheduler is not None and self.master.optimizer is not None
                           and not weights_pushed else None)
         self._epoch_samples: int | None = None  # samples in a pass over every shard, once known
-        self._epochs_stepped = 0  # epochs the schedule has been stepped for
         self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
         self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
         self._max_bytes = self.flat.layout.nbytes + 65536
@@ -676,16 +674,7 @@ class Coordinator:
             ranks=tuple(bad), window=_DIVERGED_AFTER, waiting=tuple(waiting),
             version=self.version if self.state is State.TRAINING else None,
             lr="the lr of the SPEC's optimizer()" if self._own_optimizer else "--lr",
-            remedies=self._remedies()))
-
-    def _remedies(self) -> tuple[str, ...] | None:
-        """The stale-update remedies on, where the strategy has stale updates."""
-        if self.strategy.rhythm.push is PushKind.WEIGHTS or self.strategy.name == "sync":
-            return None
-        on = [name for name, flag in (("momentum correction", "momentum_correction"),
-                                      ("--staleness-lr", "staleness_lr"))
-              if getattr(self.strategy, flag, False)]
-        return tuple(on)
+            remedies=self.strategy.remedies()))
 
     async def _answer(
         self, peer: bytes, member: Member, request: int, decisions: list[Decision], now: float,
@@ -773,7 +762,8 @@ class Coordinator:
             self._used(w)
         lr = self._lr()  # (the one this version was stepped with)
         self.metrics.step(self.version, loss, samples, decision.workers, staleness, lr=lr)
-        self._step_schedule()  # (after the samples are counted: epochs are samples)
+        if self._schedule is not None:  # (after the samples are counted: epochs are samples)
+            self._schedule.after_step(self._epochs_done())
         if self.state is State.STARTING:
             self._enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
         started = self._clock.wall()
@@ -912,7 +902,7 @@ class Coordinator:
         """Lower the optimizer's momentum where the strategy's stale updates add their own
         (async, ssp: strategies.stale), and say so."""
         optimizer = self.master.optimizer
-        if optimizer is None or self.strategy.rhythm.push is PushKind.WEIGHTS:
+        if optimizer is None:
             return
         for group in optimizer.param_groups:
             asked = group.get("momentum")
@@ -933,36 +923,21 @@ class Coordinator:
             return self.lr
         return float(optimizer.param_groups[0]["lr"])
 
-    def _epochs_done(self) -> int | None:
-        """Passes of samples over every worker's shard so far; None while a shard's length
-        is not known (data() without len(), before its first pass has ended)."""
+    def _samples_per_epoch(self) -> int | None:
+        """Samples in one pass over the shards of the workers ready (fixed once known);
+        None while a shard's length is not known (data() without len(): its worker says
+        it once its first pass has ended), or never is (a relay's workers')."""
         if self._epoch_samples is None:
             batches = [m.batches for m in self._members if m.ready]
             if not batches or min(batches) < 1:
                 return None
             self._epoch_samples = sum(batches) * self.config.batch_size
-        return self.metrics.samples // self._epoch_samples
+        return self._epoch_samples
 
-    def _step_schedule(self) -> None:
-        """Step the schedule after a version: at each one ("step"), or at each pass of
-        samples over every worker's shard ("epoch", once their lengths are known)."""
-        schedule = self._schedule
-        if schedule is None:
-            return
-        if schedule.interval == "step":
-            steps = 1
-        else:
-            epochs = self._epochs_done()
-            if epochs is None:
-                return  # (not known yet: counted from the samples once it is)
-            steps, self._epochs_stepped = epochs - self._epochs_stepped, epochs
-        with warnings.catch_warnings():
-            # A plain SGD step is taken here without optimizer.step() (it reads the lr
-            # and applies it itself: nodes.master), which the scheduler takes for a
-            # schedule stepped before its optimizer.
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            for _ in range(steps):
-                schedule.scheduler.step()
+    def _epochs_done(self) -> int | None:
+        """Passes of samples over every worker's shard so far (None: not known yet)."""
+        per_epoch = self._samples_per_epoch()
+        return None if per_epoch is None else self.metrics.samples // per_epoch
 
     def _epochs_to_samples(self) -> int | None:
         """--epochs as samples to apply: passes over the shards of the workers ready now;
@@ -975,9 +950,10 @@ class Coordinator:
             raise TrainingError(
                 "--epochs counts passes over every member's batches, and a relay never says "
                 "how many its workers have (their data is theirs): use --steps")
-        if min(batches) < 1:
+        per_epoch = self._samples_per_epoch()
+        if per_epoch is None:
             return None
-        samples = epochs * sum(batches) * self.config.batch_size
+        samples = epochs * per_epoch
         log.info("%d epoch(s) over %d workers' %d batches: %d samples",
                  epochs, len(batches), sum(batches), samples)
         return samples
@@ -996,7 +972,7 @@ class Coordinator:
             "weights": [w if w.untyped_storage().nbytes() == w.numel() * w.element_size()
                         else w.clone() for w in self.flat.weights],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "scheduler": ((self._schedule.scheduler.state_dict(), self._epochs_stepped)
+            "scheduler": ((self._schedule.scheduler.state_dict(), self._schedule.epochs_stepped)
                           if self._schedule is not None else None),
             "samples": self.metrics.samples,
             "target_samples": self._target_samples,
@@ -1045,7 +1021,7 @@ class Coordinator:
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         if self._schedule is not None and state.get("scheduler") is not None:
-            scheduler_state, self._epochs_stepped = state["scheduler"]
+            scheduler_state, self._schedule.epochs_stepped = state["scheduler"]
             self._schedule.scheduler.load_state_dict(scheduler_state)
         self.version = state["version"]
         self.strategy.restore(state["strategy_state"])

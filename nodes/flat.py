@@ -193,8 +193,8 @@ class FlatModel:
         of every parameter, as torch.nn.utils.clip_grad_norm_ takes it) is at most
         `max_norm`; the norm they had."""
         with torch.no_grad():
-            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self.grads]
-            total = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+            # (torch's own total norm: over buckets of any float dtypes, fp64 included)
+            total = float(torch.nn.utils.get_total_norm(self.grads)) if self.grads else 0.0
             coefficient = max_norm / (total + 1e-6)  # (clip_grad_norm_'s epsilon)
             if coefficient < 1.0:
                 for g in self.grads:

@@ -9,6 +9,7 @@ under average (a step is a local step, an epoch a pass over its own shard).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,9 +24,25 @@ INTERVALS = ("epoch", "step")
 class Schedule:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     interval: Literal["epoch", "step"]
+    epochs_stepped: int = 0  # epochs the scheduler has been stepped for ("epoch")
 
-    def lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
+    def after_step(self, epochs_done: int | None) -> None:
+        """An optimizer step was taken, `epochs_done` passes done by now (None: not
+        known yet, counted once they are): step the scheduler at each step ("step"), or
+        once for each epoch newly done ("epoch")."""
+        if self.interval == "step":
+            steps = 1
+        elif epochs_done is None:
+            return
+        else:
+            steps, self.epochs_stepped = epochs_done - self.epochs_stepped, epochs_done
+        with warnings.catch_warnings():
+            # The coordinator takes a plain SGD step without optimizer.step() (it reads
+            # the lr and applies it itself: nodes.master), which the scheduler takes for a
+            # schedule stepped before its optimizer.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            for _ in range(steps):
+                self.scheduler.step()
 
 
 def make_schedule(factory: SchedulerFactory, optimizer: torch.optim.Optimizer) -> Schedule:

@@ -122,7 +122,6 @@ class Worker:
         self._make_scheduler = scheduler
         self._unused = 0  # samples an epoch leaves out, as its data says (Ready.unused)
         self._schedule: Schedule | None = None  # on its own optimizer, if it has one
-        self._epochs_stepped = 0  # passes over its shard the schedule was stepped for
         self.steps = 0  # local steps computed
         self.rank = config.rank
         self.phase = Phase.JOINING
@@ -279,19 +278,6 @@ class Worker:
             return  # (a shard that stopped before the others: theirs are yet to come)
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(why)
-
-    def _step_schedule(self) -> None:
-        """After a local step: at each one ("step"), or at each pass over its shard."""
-        schedule, batches = self._schedule, self._batches
-        if schedule is None or batches is None:
-            return
-        if schedule.interval == "step":
-            schedule.scheduler.step()
-        elif batches.length > 0:
-            passes = batches.position // batches.length
-            for _ in range(passes - self._epochs_stepped):
-                schedule.scheduler.step()
-            self._epochs_stepped = passes
 
     def _enter(self, phase: Phase) -> None:
         log.debug("worker %d: %s -> %s", self.rank, self.phase.value, phase.value)
@@ -619,7 +605,11 @@ class Worker:
                 if self._clip:
                     self.flat.clip_grads(self._clip)
                 self._optimizer.step()
-                self._step_schedule()
+                if self._schedule is not None:  # (its epochs: passes over its shard)
+                    batches = self._batches
+                    assert batches is not None
+                    self._schedule.after_step(
+                        batches.position // batches.length if batches.length > 0 else None)
             self.steps += 1
             total_loss += figure
             samples += len(inputs)

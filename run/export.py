@@ -8,6 +8,7 @@ It is written atomically, so an interrupted write never leaves half a file under
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -58,10 +59,7 @@ def export(source: Path, out: Path) -> Path:
     weights = state["weights"]
     model: dict[str, torch.Tensor] = {}
     for name, bucket, offset, shape in names:
-        count = 1
-        for size in shape:
-            count *= size
-        model[name] = weights[bucket][offset:offset + count].view(shape).clone()
+        model[name] = weights[bucket][offset:offset + math.prod(shape)].view(shape).clone()
     model.update(state.get("buffers") or {})
     _write(model, out, "-o")
     return path

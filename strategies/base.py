@@ -199,6 +199,11 @@ class Strategy(ABC):
         `momentum`: as asked, unless stale updates add momentum of their own (stale.py)."""
         return momentum
 
+    def remedies(self) -> tuple[str, ...] | None:
+        """The remedies for stale updates that are on, for an error to name; None: this
+        strategy has no stale updates."""
+        return None
+
     def state(self) -> dict[str, int]:
         """What a checkpoint keeps of this strategy: its version. Members, clocks and held
         updates are not kept: after a restart, workers join again (level with each other)

@@ -74,6 +74,10 @@ class StaleSync(Strategy):
         self._held: dict[int, float] = {}  # held worker -> since when
         self._stall_reported: dict[int, float] = {}
 
+    def remedies(self) -> tuple[str, ...]:
+        return tuple(name for name, on in (("momentum correction", self.momentum_correction),
+                                           ("--staleness-lr", self.staleness_lr)) if on)
+
     def corrected_momentum(self, momentum: float) -> float:
         """The optimizer's momentum to use for `momentum` given: lowered by the implicit
         momentum of this many workers' pushes, 1 - 1/workers (see the module's docstring)."""

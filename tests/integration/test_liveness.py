@@ -45,12 +45,11 @@ pytestmark = pytest.mark.timeout(30)
 digits = load_example("digits")
 
 
-def _coordinator(network: MemoryNetwork, clock: LoopClock, strategy: Any = None,
-                 **config: Any) -> Coordinator:
+def _coordinator(network: MemoryNetwork, clock: LoopClock, **config: Any) -> Coordinator:
     torch.manual_seed(0)
     settings: dict[str, Any] = {"batch_size": 8, "steps": 10_000, "shared_memory": False}
     settings.update(config)
-    return Coordinator(model=digits.model(), strategy=strategy or Sync(workers=2),
+    return Coordinator(model=digits.model(), strategy=Sync(workers=2),
                        config=CoordinatorConfig(**settings), transport=network.server,
                        clock=clock, lr=0.05)
 
@@ -65,9 +64,9 @@ def _worker(network: MemoryNetwork, clock: LoopClock, endpoint: str, rank: int =
 class Peer:
     """A scripted worker: joins, beats and falls silent when told, as a test says."""
 
-    def __init__(self, network: MemoryNetwork, endpoint: str, layout: str) -> None:
+    def __init__(self, network: MemoryNetwork, endpoint: str) -> None:
         self.client: MemoryClient = network.client(endpoint)
-        self.layout = layout
+        self.layout = FlatModel(digits.model()).layout.digest
         self.rank = -1
         self._requests = 0
 
@@ -131,8 +130,17 @@ def test_sync_over_memory_on_a_virtual_clock_trains_as_over_sockets() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def _layout() -> str:
-    return FlatModel(digits.model()).layout.digest
+async def _joined(network: MemoryNetwork, coordinator: Coordinator) -> tuple[Peer, Peer]:
+    """Two scripted workers, welcomed."""
+    a, b = Peer(network, coordinator.bind()), Peer(network, coordinator.bind())
+    assert isinstance(await a.join(), Welcome) and isinstance(await b.join(), Welcome)
+    return a, b
+
+
+async def _end(*tasks: asyncio.Task[Any]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _ranks(coordinator: Coordinator) -> list[int]:
@@ -153,17 +161,14 @@ def test_a_silent_worker_is_removed_timeout_s_after_its_last_beat() -> None:
         network = MemoryNetwork()
         coordinator = _coordinator(network, clock, timeout_s=10.0)
         run = asyncio.create_task(coordinator.run())
-        a, b = (Peer(network, coordinator.bind(), _layout()) for _ in range(2))
-        assert isinstance(await a.join(), Welcome) and isinstance(await b.join(), Welcome)
+        a, b = await _joined(network, coordinator)
         beating = asyncio.create_task(a.beat(60))
         await b.beat(3)  # then silence
         fell_silent = clock.monotonic()
         await _until(lambda: b.rank not in _ranks(coordinator), 20)
         removed = clock.monotonic()
         assert _ranks(coordinator) == [a.rank]  # the one that beats stays
-        beating.cancel()
-        run.cancel()
-        await asyncio.gather(beating, run, return_exceptions=True)
+        await _end(beating, run)
         return fell_silent, removed, coordinator
 
     started = time.monotonic()
@@ -179,13 +184,12 @@ def test_too_few_joined_within_the_join_timeout_fails_the_run_then() -> None:
         network = MemoryNetwork()
         coordinator = _coordinator(network, clock, join_timeout_s=300.0)
         run = asyncio.create_task(coordinator.run())
-        peer = Peer(network, coordinator.bind(), _layout())
+        peer = Peer(network, coordinator.bind())
         assert isinstance(await peer.join(), Welcome)
         beating = asyncio.create_task(peer.beat(400))
         with pytest.raises(JoinTimedOut) as failed:
             await run
-        beating.cancel()
-        await asyncio.gather(beating, return_exceptions=True)
+        await _end(beating)
         return clock.monotonic(), failed.value
 
     started = time.monotonic()
@@ -200,9 +204,7 @@ def test_losing_a_worker_below_the_minimum_fails_the_run_when_it_is_removed() ->
         network = MemoryNetwork()
         coordinator = _coordinator(network, clock, min_workers=2, timeout_s=10.0)
         run = asyncio.create_task(coordinator.run())
-        a, b = (Peer(network, coordinator.bind(), _layout()) for _ in range(2))
-        for peer in (a, b):
-            assert isinstance(await peer.join(), Welcome)
+        a, b = await _joined(network, coordinator)
         await a.ready()
         await b.ready()
         await asyncio.sleep(0.1)  # (a push before the start is dropped)
@@ -216,8 +218,7 @@ def test_losing_a_worker_below_the_minimum_fails_the_run_when_it_is_removed() ->
             await run
         failed_at = coordinator.metrics.lost[0]
         assert failed_at["rank"] == b.rank
-        beating.cancel()
-        await asyncio.gather(beating, return_exceptions=True)
+        await _end(beating)
         return fell_silent, clock.monotonic(), failed.value
 
     started = time.monotonic()
@@ -232,16 +233,13 @@ def test_a_removed_worker_is_refused_then_joins_again_with_its_rank() -> None:
         network = MemoryNetwork()
         coordinator = _coordinator(network, clock, timeout_s=10.0)
         run = asyncio.create_task(coordinator.run())
-        a, b = (Peer(network, coordinator.bind(), _layout()) for _ in range(2))
-        assert isinstance(await a.join(), Welcome) and isinstance(await b.join(), Welcome)
+        a, b = await _joined(network, coordinator)
         beating = asyncio.create_task(a.beat(60))
         await asyncio.sleep(15)  # b silent: removed
         refused = await b.ask(Pull(sender=b.rank, request=7, version=0))
         again = await b.join(rank=b.rank)
         ranks = _ranks(coordinator)
-        beating.cancel()
-        run.cancel()
-        await asyncio.gather(beating, run, return_exceptions=True)
+        await _end(beating, run)
         return refused, again, ranks
 
     started = time.monotonic()
@@ -275,8 +273,7 @@ def test_a_worker_that_lost_its_coordinator_backs_off_then_gives_up() -> None:
             await working
         ended = clock.monotonic()
         joins.extend(t for t, _, frames in network.lost if isinstance(decode(frames), Join))
-        run.cancel()
-        await asyncio.gather(run, return_exceptions=True)
+        await _end(run)
         return cut, ended, gave_up.value
 
     cut, ended, error = run_virtual(scenario)
@@ -305,9 +302,21 @@ def test_a_receive_loop_that_dies_fails_the_join_at_once(monkeypatch: pytest.Mon
         run = asyncio.create_task(coordinator.run())
         with pytest.raises(RuntimeError) as failed:
             await _worker(network, clock, coordinator.bind()).run()
-        run.cancel()
-        await asyncio.gather(run, return_exceptions=True)
+        await _end(run)
         return clock.monotonic(), failed.value
 
     ended, error = run_virtual(scenario)
     assert "a bug in decoding" in str(error) and ended < 1.0
+
+
+def test_a_scenario_that_nothing_can_end_is_said_to_be_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No timer, no thread, nothing ready: the virtual-time loop says so, not hang."""
+    import tensorbus.bus.clock as clock_module
+
+    monkeypatch.setattr(clock_module, "IDLE_LIMIT_S", 0.2)
+
+    async def stuck(clock: LoopClock) -> None:
+        await asyncio.get_running_loop().create_future()  # nothing will end it
+
+    with pytest.raises(RuntimeError, match="nothing to run for 0.2 s"):
+        run_virtual(stuck)

@@ -17,10 +17,26 @@ def _optimizer() -> torch.optim.Optimizer:
 def test_a_scheduler_alone_steps_by_epoch_and_a_dict_says_when() -> None:
     opt = _optimizer()
     alone = make_schedule(lambda o: torch.optim.lr_scheduler.StepLR(o, 1), opt)
-    assert (alone.interval, alone.lr()) == ("epoch", 0.1)
+    assert (alone.interval, alone.scheduler.get_last_lr()) == ("epoch", [0.1])
     by_step = make_schedule(
         lambda o: {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1), "interval": "step"}, opt)
     assert by_step.interval == "step"
+
+
+def test_an_epoch_schedule_steps_once_for_each_epoch_newly_done() -> None:
+    opt = _optimizer()
+    schedule = make_schedule(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5), opt)
+    for epochs_done in (None, 0, 0, 1, 1, 3):  # (None: the epoch's length not known yet)
+        opt.step()
+        schedule.after_step(epochs_done)
+    assert schedule.epochs_stepped == 3
+    assert schedule.scheduler.get_last_lr() == [0.1 / 8]
+    per_step = make_schedule(
+        lambda o: {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5),
+                   "interval": "step"}, opt)
+    for _ in range(2):
+        per_step.after_step(None)
+    assert per_step.scheduler.get_last_lr() == [0.1 / 8 / 4]
 
 
 @pytest.mark.parametrize("returned, says", [
