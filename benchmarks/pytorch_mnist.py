@@ -7,12 +7,15 @@ batches in the order the port's workers share them. The port:
 
     tensorbus local examples/pytorch_mnist.py --workers 2 --batch-size 32 --epochs 2
 
-(2 workers of 32: 64 samples a version, as the original's step). Both train 2 epochs from
-seed 1 and are scored on the 10k test images; the ratio of their wall times is taken in
-the same run. Writes benchmarks/results/pytorch_mnist.md and .json:
+(2 workers of 32: 64 samples a version, as the original's step). Both train 2 epochs and
+are scored on the 10k test images. With one seed the two start from the same weights and
+differ only in their dropout masks (the port's workers draw theirs from (seed, rank)); so
+each runs with several seeds (`--seeds`: the --seed of each), and their means are compared
+beside the spread of each. The ratio of their wall times is taken in the same run. Writes
+benchmarks/results/pytorch_mnist.md and .json:
 
     python -m benchmarks pytorch_mnist
-    python -m benchmarks pytorch_mnist --epochs 1 --limit 20    # a smoke test
+    python -m benchmarks pytorch_mnist --epochs 1 --limit 20 --seeds 1    # a smoke test
 """
 
 from __future__ import annotations
@@ -35,19 +38,16 @@ from benchmarks.report import RESULTS, ROOT, Meta, write_json, write_markdown
 SPEC = "examples/pytorch_mnist.py"
 
 
-def original(epochs: int, limit: int | None, threads: int,
-             dropout_seed: int | None = None) -> dict[str, Any]:
-    """The original loop: train() and test() of mnist/main.py, in this process; with
-    `dropout_seed`, torch's generator is reseeded after the model is built, which changes
-    the dropout masks and nothing else."""
+def original(epochs: int, limit: int | None, threads: int, seed: int = 1) -> dict[str, Any]:
+    """The original loop: train() and test() of mnist/main.py, in this process, run with
+    its `--seed` (the model's initial weights and the dropout masks; the order of the
+    batches is the SPEC's, the same whatever the seed)."""
     sys.path.insert(0, str(ROOT / "examples"))
     import pytorch_mnist as spec  # noqa: PLC0415 (from the examples folder)
 
     torch.set_num_threads(threads)
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     model = spec.model()
-    if dropout_seed is not None:
-        torch.manual_seed(dropout_seed)
     optimizer = spec.optimizer(model.parameters())
     scheduler = spec.scheduler(optimizer)
     # The batches of the port's data() on one rank of 64: each epoch the port's 2 workers
@@ -70,12 +70,12 @@ def original(epochs: int, limit: int | None, threads: int,
     return {**spec.evaluate(model), "seconds": seconds}
 
 
-def port(epochs: int, limit: int | None) -> dict[str, Any]:
+def port(epochs: int, limit: int | None, seed: int = 1) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, checkout.cli(ROOT) as (tensorbus, env):
         metrics = Path(tmp) / "metrics.jsonl"
         length = ["--steps", str(limit)] if limit else ["--epochs", str(epochs)]
         command = [*tensorbus, "local", SPEC, "--workers", "2", "--batch-size", "32",
-                   "--seed", "1", *length, "--metrics", str(metrics), "--threads", "2",
+                   "--seed", str(seed), *length, "--metrics", str(metrics), "--threads", "2",
                    "--no-progress", "--log-level", "error"]
         started = time.monotonic()
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -91,44 +91,57 @@ def port(epochs: int, limit: int | None) -> dict[str, Any]:
             "lr_first": steps[0]["lr"], "lr_last": steps[-1]["lr"]}
 
 
+def _spread(runs: list[dict[str, Any]], key: str) -> tuple[float, float, float]:
+    values = [r[key] for r in runs]
+    return sum(values) / len(values), min(values), max(values)
+
+
 def main(argv: Sequence[str], meta: Meta) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks pytorch_mnist",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--limit", type=int, help="batches an epoch (a smoke test)")
+    parser.add_argument("--seeds", type=int, default=3, help="runs of each, seeds 1..N")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    mine = port(args.epochs, args.limit)
-    print(f"tensorbus: {mine}", flush=True)
-    theirs = original(args.epochs, args.limit, threads=2)
-    print(f"original: {theirs}", flush=True)
-    # The same loop with other dropout masks: how far apart two runs are by chance alone.
-    other = original(args.epochs, args.limit, threads=2, dropout_seed=2)
-    print(f"original, other dropout masks: {other}", flush=True)
+    seeds = range(1, args.seeds + 1)
+    ports, originals = [], []
+    for seed in seeds:  # (interleaved: the machine's load falls on both alike)
+        ports.append(port(args.epochs, args.limit, seed))
+        print(f"tensorbus, seed {seed}: {ports[-1]}", flush=True)
+        originals.append(original(args.epochs, args.limit, threads=2, seed=seed))
+        print(f"original, seed {seed}: {originals[-1]}", flush=True)
     length = f"--steps {args.limit}" if args.limit else f"--epochs {args.epochs}"
+    command = f"tensorbus local {SPEC} --workers 2 --batch-size 32 {length} --seed S"
     lines = [
         (f"{args.epochs} epoch(s)" + (f" of {args.limit} batches" if args.limit else "")
-         + " of Fashion-MNIST, seed 1, the original on 2 torch threads, the port on 2 "
-         "workers of 1 thread"),
+         + f" of Fashion-MNIST, seeds {seeds[0]}..{seeds[-1]}, the original on 2 torch "
+         "threads, the port on 2 workers of 1 thread"),
         "",
-        "| run | test accuracy | test loss | wall s |",
-        "|---|---:|---:|---:|",
-        f"| original loop, one process, batch 64 | {100 * theirs['accuracy']:.2f} % | "
-        f"{theirs['test_loss']:.4f} | {theirs['seconds']:.0f} |",
-        f"| the same loop, other dropout masks | {100 * other['accuracy']:.2f} % | "
-        f"{other['test_loss']:.4f} | {other['seconds']:.0f} |",
-        f"| `tensorbus local {SPEC} --workers 2 --batch-size 32 {length}` | "
-        f"{100 * mine['accuracy']:.2f} % | {mine['test_loss']:.4f} | {mine['seconds']:.0f} |",
-        "",
-        f"- accuracy, port minus original: {100 * (mine['accuracy'] - theirs['accuracy']):+.2f} "
-        "points (within 0.3 wanted); the original with other dropout masks minus the "
-        f"original: {100 * (other['accuracy'] - theirs['accuracy']):+.2f} points",
-        f"- wall time, port ÷ original: {mine['seconds'] / theirs['seconds']:.2f} (the port's "
-        "includes starting its processes and scoring)",
-        f"- the schedule's lr in the port's metrics: {mine['lr_first']} at the first version, "
-        f"{mine['lr_last']:.4g} at the last ({mine['versions']} versions)",
+        "| run | seed | test accuracy | test loss | wall s |",
+        "|---|---:|---:|---:|---:|",
     ]
-    write_json(args.out / "pytorch_mnist.json",
-               {"original": theirs, "original_other_dropout": other, "port": mine}, meta)
+    for seed, mine, theirs in zip(seeds, ports, originals, strict=True):
+        lines += [
+            f"| original loop, one process, batch 64 | {seed} | {100 * theirs['accuracy']:.2f} % "
+            f"| {theirs['test_loss']:.4f} | {theirs['seconds']:.0f} |",
+            f"| `{command}` | {seed} | {100 * mine['accuracy']:.2f} % | {mine['test_loss']:.4f} "
+            f"| {mine['seconds']:.0f} |",
+        ]
+    (ours, our_low, our_high), (base, low, high) = (_spread(ports, "accuracy"),
+                                                    _spread(originals, "accuracy"))
+    seconds = sum(m["seconds"] for m in ports) / sum(t["seconds"] for t in originals)
+    lines += [
+        "",
+        f"- mean accuracy over the seeds: the port {100 * ours:.2f} % ({100 * our_low:.2f} to "
+        f"{100 * our_high:.2f}), the original {100 * base:.2f} % ({100 * low:.2f} to "
+        f"{100 * high:.2f})",
+        f"- port minus original, means: {100 * (ours - base):+.2f} points (within 0.3 wanted)",
+        f"- wall time, port ÷ original: {seconds:.2f} (the port's includes starting its "
+        "processes and scoring)",
+        f"- the schedule's lr in the port's metrics: {ports[0]['lr_first']} at the first "
+        f"version, {ports[0]['lr_last']:.4g} at the last ({ports[0]['versions']} versions)",
+    ]
+    write_json(args.out / "pytorch_mnist.json", {"original": originals, "port": ports}, meta)
     write_markdown(args.out / "pytorch_mnist.md", "\n".join(lines), meta)
     print("\n".join(lines))

@@ -1,7 +1,8 @@
 """The wire format: a message to a list of sendable buffers, and the inverse.
 
 Frame 0 is a msgpack header: {"p": protocol, "k": kind, "s": sender, "r": request id,
-"v": version, "t": [[dtype, shape, nbytes, chunk], ...], "f": {the kind's own fields}}.
+"v": version, "t": [[dtype, shape, nbytes, chunk], ...], "f": {the kind's own fields}},
+and "b": n where the last n tensors of "t" are the model's buffers (`Message.state`).
 Then come the raw bytes of the message's flat tensors, in header order, each tensor cut into
 frames of `chunk` bytes (the last one shorter): ceil(nbytes / chunk) frames, at least one.
 A tensor sent by reference (in shared memory, to a process on the same host: `bus.shared`)
@@ -79,6 +80,7 @@ MAX_DIMS: Final = 8
 MAX_STRING: Final = 4096
 DEFAULT_MAX_MESSAGE_BYTES: Final = 4 << 30
 _HEADER_KEYS: Final = frozenset("pksrvtf")
+_OPTIONAL_KEYS: Final = frozenset("b")
 _INT64_MAX: Final = 2**63 - 1
 
 Buffer = bytes | bytearray | memoryview
@@ -91,7 +93,9 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
     its place instead."""
     specs = []
     frames: list[Buffer | np.ndarray] = [b""]
-    for tensor in message.tensors:
+    if message.state and not message.CARRIES_STATE:
+        raise ValueError(f"a {message.KIND.name} carries no buffers")
+    for index, tensor in enumerate((*message.tensors, *message.state)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"only tensors are sent, not {type(tensor).__name__}")
         name = DTYPE_NAMES.get(tensor.dtype)
@@ -101,7 +105,8 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
             raise ValueError("tensors on the wire must be contiguous CPU tensors")
         nbytes = tensor.numel() * tensor.element_size()
         chunk = _chunk(nbytes, chunk_bytes, tensor.element_size())
-        ref = refer(tensor) if refer is not None and nbytes else None
+        # (Buffers always go as bytes: they are small, and the sender writes them again.)
+        ref = refer(tensor) if refer is not None and nbytes and index < len(message.tensors) else None
         if ref is not None:
             specs.append([name, list(tensor.shape), nbytes, chunk, ref])
             continue
@@ -121,6 +126,8 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
         "t": specs,
         "f": {name: getattr(message, name) for name in own_fields},
     }
+    if message.state:
+        header["b"] = len(message.state)
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
 
@@ -174,6 +181,10 @@ def _decode(
     }
     values = _fields(header["f"], own_fields)
     specs = _tensor_specs(header["t"], cls.CARRIES_TENSORS)
+    carried = header.get("b", 0)
+    if type(carried) is not int or not 0 <= carried <= len(specs) or (carried and not cls.CARRIES_STATE):
+        raise MalformedHeaderError(f"field 'b' must count the buffers among the tensors of a "
+                                   f"kind that carries them, got {quote(carried)}")
     total = sum(spec.nbytes for spec in specs)
     if total > max_bytes:
         raise MessageTooLargeError(total, max_bytes)
@@ -189,9 +200,12 @@ def _decode(
             if received != spec.frame_bytes(j):
                 raise ByteLengthError(i, spec.nbytes, spec.frame_bytes(j), received)
         first += spec.frames
-    if layout is not None and cls.CARRIES_TENSORS and (specs or not cls.TENSORS_OPTIONAL):
+    if carried and any(spec.ref is not None for spec in specs[len(specs) - carried:]):
+        raise SharedTensorError("buffers by reference: they go as bytes")
+    main = specs[:len(specs) - carried]
+    if layout is not None and cls.CARRIES_TENSORS and (main or not cls.TENSORS_OPTIONAL):
         check = layout.check_sparse if cls.SPARSE else layout.check
-        check([(spec.dtype, spec.shape) for spec in specs])
+        check([(spec.dtype, spec.shape) for spec in main])
     tensors: list[Received] = []
     first = 1
     for spec in specs:
@@ -207,7 +221,8 @@ def _decode(
             continue
         tensors.append(_tensor(frames[first : first + spec.frames], spec))
         first += spec.frames
-    return cls(**envelope, tensors=tuple(tensors), **values)
+    split = len(tensors) - carried
+    return cls(**envelope, tensors=tuple(tensors[:split]), state=tuple(tensors[split:]), **values)
 
 
 def _unpack_header(frame: Buffer) -> dict[str, Any]:
@@ -237,7 +252,7 @@ def _check_header(header: dict[str, Any]) -> None:
     # differently, and it should be told the version is wrong, not that its header is.
     if type(header.get("p")) is not int or header["p"] != PROTOCOL_VERSION:
         raise ProtocolVersionError(header.get("p"), PROTOCOL_VERSION)
-    if set(header) != _HEADER_KEYS:
+    if not _HEADER_KEYS <= set(header) <= _HEADER_KEYS | _OPTIONAL_KEYS:
         raise MalformedHeaderError(f"header keys {quote(sorted(header))}, expected {sorted(_HEADER_KEYS)}")
 
 

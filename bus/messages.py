@@ -103,12 +103,17 @@ class Message:
     CARRIES_TENSORS: ClassVar[bool] = False
     TENSORS_OPTIONAL: ClassVar[bool] = False  # may come with none at all (see Weights)
     SPARSE: ClassVar[bool] = False  # index and value tensors per bucket (see Changes)
+    # May carry the model's buffers (BatchNorm's running statistics): a worker's with its
+    # push, the coordinator's combination of them with its weights (nodes.flat, `state`).
+    CARRIES_STATE: ClassVar[bool] = False
 
     sender: int = COORDINATOR
     request: int = 0  # non-zero where a reply is expected; the reply echoes it
     version: int = 0  # the model version the payload or the statement refers to
     # Sent: tensors. Received: tensors, or Pieces for those that came in several frames.
     tensors: tuple[Received, ...] = field(default=(), compare=False, repr=False)
+    # The model's buffers, one flat tensor per dtype of their layout (empty: none sent).
+    state: tuple[Received, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +129,7 @@ class Join(Message):
 class Welcome(Message):
     KIND = Kind.WELCOME
     CARRIES_TENSORS = True
+    CARRIES_STATE = True
     rank: int
     world_size: int
     strategy: str
@@ -160,6 +166,7 @@ class Ready(Message):
 class Push(Message):
     KIND = Kind.PUSH
     CARRIES_TENSORS = True
+    CARRIES_STATE = True
     clock: int  # updates this worker has pushed before this one
     loss: float  # mean training loss of the batches behind this update
     samples: int  # samples behind this update
@@ -187,6 +194,7 @@ class Pull(Message):
 class Weights(Message):
     KIND = Kind.WEIGHTS
     CARRIES_TENSORS = True
+    CARRIES_STATE = True
     TENSORS_OPTIONAL = True  # none: "you have the newest", the answer to a Pull of it
     # Broadcast by reference to a worker of the coordinator's host: the generation of the
     # shared set the tensors lie in, as published (bus.shared.Gallery); otherwise 0.
@@ -202,6 +210,7 @@ class Changes(Message):
 
     KIND = Kind.CHANGES
     CARRIES_TENSORS = True
+    CARRIES_STATE = True
     SPARSE = True
     base: int
 

@@ -13,8 +13,9 @@ from typing import Final
 # 5: tensors by reference (bus.shared) and the Welcome's offer of them; 6: broadcasts
 # under a topic frame, a version's weights by reference too (Weights.generation); 7: segment
 # names carry their creator's start time (bus.shared.sweep); 8: the Welcome's seed; 9: a
-# push says its shard's length once known (data() without len())
-PROTOCOL_VERSION: Final = 9
+# push says its shard's length once known (data() without len()); 10: the model's buffers
+# ride with pushes and weights (header key "b"), the Welcome's clip_grad_norm
+PROTOCOL_VERSION: Final = 10
 
 
 def _build() -> str:

@@ -27,7 +27,7 @@ from torch import nn
 from tensorbus.bus.buffers import SendBuffers, Tracker
 from tensorbus.bus.clock import SYSTEM_CLOCK, Clock
 from tensorbus.bus.codec import decode, encode
-from tensorbus.bus.errors import WireError
+from tensorbus.bus.errors import LayoutError, WireError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import (
     BUILD,
@@ -73,6 +73,7 @@ from tensorbus.nodes.fold import Fold, next_to_fold, step_alpha
 from tensorbus.nodes.master import AllDone, Master, shared_pool, tracked, weights_gallery
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
+from tensorbus.nodes.model_buffers import BufferMean
 from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
 from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
 from tensorbus.nodes.shards import ShardModel
@@ -259,6 +260,9 @@ class Coordinator:
         self._warned: dict[tuple[bytes, str], float] = {}  # rate limit of rejection warnings
         if config.checkpoint_dir is not None:
             checkpoint.prepare(config.checkpoint_dir)
+        # The model's buffers: each worker's newest, and what goes out with the weights.
+        self._buffer_mean = BufferMean(self.flat.model_buffers.layout)
+        self._buffers_out = self.flat.model_buffers.copy()
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
                                append=config.resume)
         self.watch = Watch(self.metrics, trace=config.trace)
@@ -371,6 +375,7 @@ class Coordinator:
             self.metrics.close(summary)
             return summary
         try:
+            self._refresh_buffers()
             self._evals.evaluate(self.master, self.metrics)
             evaluation = (figures(self._evaluate, self.model, taken=self.metrics.summary({}))
                           if self._evaluate else {})
@@ -630,6 +635,8 @@ class Coordinator:
                     self.metrics.worker(member.rank)["dropped"] += 1
                     self._used(member.rank)
                     dropped = reason.value
+        if message.state and not dropped:
+            self._take_buffers(peer, member.rank, message.state)
         if dropped:
             await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
             self.watch.answered(member.rank)
@@ -658,6 +665,29 @@ class Coordinator:
         await self._carry_out(decisions)
         if self.state in (State.STARTING, State.TRAINING):
             await self._check_finite()
+
+    def _take_buffers(self, peer: bytes, rank: int, state: Sequence[Received]) -> None:
+        """Keep a worker's buffers, sent with an update that was taken."""
+        try:
+            self._buffer_mean.take(rank, state)
+        except LayoutError as e:
+            self._warn(peer, "buffers", f"worker {rank} sent buffers that are not the model's "
+                                        f"({e}): they are left out")
+
+    def _refresh_buffers(self) -> None:
+        """Make the model's buffers the combination of the workers' newest, if any came
+        since (nodes.model_buffers)."""
+        combined = self._buffer_mean.combine()
+        if combined is not None:
+            self.flat.model_buffers.load(combined)
+            self._buffers_out = combined
+
+    def _published_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The model's buffers, to go out with its weights (never written afterwards)."""
+        if not self.flat.model_buffers:
+            return ()
+        self._refresh_buffers()
+        return self._buffers_out
 
     async def _check_finite(self) -> None:
         """Fail the run once no version can come of the updates pushed: the last
@@ -796,6 +826,7 @@ class Coordinator:
 
     def _take_eval_point(self) -> None:
         """A copy of the weights as they are now, evaluated after training (nodes.evalpoints)."""
+        self._refresh_buffers()
         self._evals.take(self.master, self.version, self.metrics.samples, self.metrics.train_s(),
                          self._epochs_done() if self._evals.by_epoch else None)
 
@@ -962,6 +993,7 @@ class Coordinator:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a restarted coordinator needs to go on: tensors and plain values only."""
+        self._refresh_buffers()
         return {
             "version": self.version,
             "layout": self.flat.layout.digest,
@@ -986,6 +1018,8 @@ class Coordinator:
                 [e.name, e.bucket, e.offset, list(e.shape)] for e in self.flat.layout.entries],
             "buffers": {} if isinstance(self.model, ShardModel) else {
                 name: b.detach().clone() for name, b in self.model.named_buffers()},
+            # The buffers that travel, laid out flat (a shard's too): what a resume loads.
+            "model_buffers": list(self.flat.model_buffers.copy()),
         }
 
     async def _checkpoint(self) -> None:
@@ -1018,6 +1052,9 @@ class Coordinator:
                 "another --checkpoint-dir")
         self.master.own()
         self.flat.load(state["weights"])
+        if state.get("model_buffers"):  # (older checkpoints lack them)
+            self.flat.model_buffers.load(state["model_buffers"])
+            self._buffers_out = self.flat.model_buffers.copy()
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         if self._schedule is not None and state.get("scheduler") is not None:
@@ -1074,12 +1111,14 @@ class Coordinator:
         changes = self.master.changes(self.version)
         if changes is not None:
             assert old is not None
-            message: Message = Changes(version=self.version, base=old.version, tensors=changes)
+            message: Message = Changes(version=self.version, base=old.version, tensors=changes,
+                                       state=self._published_buffers())
             self.master.advance_snapshot(changes, self.version, self._gallery)
             self._broadcast = await self._server.publish(encode(message))
             return
         snapshot = self.master.take_snapshot(self.version)
-        weights = Weights(version=snapshot.version, tensors=snapshot.buffers)
+        weights = Weights(version=snapshot.version, tensors=snapshot.buffers,
+                          state=self._published_buffers())
         sends: list[Tracker | None] = []
         if self._server.wants(TOPIC_WEIGHTS):  # (made only for someone: bus.transport)
             sends.append(await tracked(snapshot, self._server.publish(encode(weights), TOPIC_WEIGHTS)))
@@ -1104,7 +1143,8 @@ class Coordinator:
     async def _send_weights(self, peer: bytes, message: Welcome | Weights) -> None:
         snapshot = self.master.snapshot
         assert snapshot is not None
-        message = replace(message, version=snapshot.version, tensors=snapshot.buffers)
+        message = replace(message, version=snapshot.version, tensors=snapshot.buffers,
+                          state=self._published_buffers())
         await tracked(snapshot, self._reply(peer, message))
 
     async def _reply(self, peer: bytes, message: Message) -> Tracker | None:
@@ -1240,6 +1280,7 @@ class Coordinator:
                                                   code=RejectCode.UNKNOWN_WORKER.value,
                                                   detail=f"removed: {why}"))
         if lost:
+            self._buffer_mean.forget(member.rank)  # (its statistics are of the past now)
             self.metrics.lost.append(
                 {"rank": member.rank, "version": member.version, "phase": member.phase}
             )

@@ -66,6 +66,7 @@ class _Point:
     train_s: float
     epoch: int | None  # passes over the shards done, where they are counted
     weights: tuple[torch.Tensor, ...]
+    buffers: tuple[torch.Tensor, ...]  # the model's (nodes.model_buffers), as they were
 
 
 class EvalPoints:
@@ -95,13 +96,15 @@ class EvalPoints:
 
     def take(self, master: Master, version: int, samples: int, train_s: float,
              epoch: int | None = None) -> None:
-        """Copy the master's weights, of `version`, as they are at `train_s`."""
+        """Copy the master's weights, of `version`, and its model's buffers, as they are at
+        `train_s`."""
         if self._every is None and self._every_epochs is None:
             return
         if self._every_epochs is not None and epoch is None:
             return  # (by epoch: not at the start)
         weights = tuple(w.clone() for w in master.flat.weights)
-        self._points.append(_Point(version, samples, train_s, epoch, weights))
+        buffers = master.flat.model_buffers.copy()
+        self._points.append(_Point(version, samples, train_s, epoch, weights, buffers))
         if self._every is not None:
             self._next_s = train_s + self._every
         if self._every_epochs is not None and epoch is not None:
@@ -114,14 +117,17 @@ class EvalPoints:
             return
         flat = master.flat
         final = tuple(w.clone() for w in flat.weights)
+        final_buffers = flat.model_buffers.copy()
         master.own()  # the final version may still be on its way to the workers
         try:
             for point in self._points:
                 flat.load(point.weights)
+                flat.model_buffers.load(point.buffers)
                 said = figures(self._evaluate, flat.module, taken=_EVAL_FIELDS)
                 epoch = {"epoch": point.epoch} if point.epoch is not None else {}
                 metrics.write("eval", version=point.version, samples=point.samples,
                               train_s=round(point.train_s, 6), **epoch, **said)
         finally:
             flat.load(final)
+            flat.model_buffers.load(final_buffers)
         self._points.clear()

@@ -3,7 +3,8 @@
 Both nodes keep a model this way: parameters are views into `weights` and gradients are
 gathered into `grads`, so that a whole model goes on the wire as one buffer per dtype and
 arrives into place with one copy per bucket, with no per-parameter frames or concatenation.
-Only parameters take part: a model's buffers (running statistics) stay local to each node.
+Parameters take part; the model's buffers (running statistics) are laid out flat beside
+them (`model_buffers`: nodes.model_buffers), and travel beside them.
 
 Gradients are captured by hooks as backward produces them (`begin_backward`): each
 parameter starts the backward pass without a `.grad`, so autograd hands it its fresh
@@ -34,6 +35,7 @@ from torch import nn
 
 from tensorbus.bus.layout import Layout, Span
 from tensorbus.bus.pieces import Received, copy_into
+from tensorbus.nodes.model_buffers import ModelBuffers, carried
 
 OnReady = Callable[[int], None]
 Allocate = Callable[[Sequence[tuple[int, torch.dtype]]], tuple[torch.Tensor, ...]]
@@ -44,6 +46,7 @@ class FlatModel:
         self.device = torch.device(device)
         module.to(self.device)
         self.module = module
+        self.model_buffers = ModelBuffers(carried(module), self.device)
         self._params = [p for _, p in module.named_parameters()]
         self.layout = Layout.of(module.named_parameters())
         self.weights = self._allocate(self.device)

@@ -73,6 +73,7 @@ from tensorbus.bus.transport import (
     ZmqClient,
 )
 from tensorbus.nodes import changes as changed
+from tensorbus.nodes.model_buffers import ModelBuffers
 
 log = logging.getLogger("tensorbus.worker")
 _SETS_MAPPED = 16  # the coordinator's weight sets kept mapped (bus.shared.Gallery)
@@ -125,9 +126,12 @@ class Link:
         probe: str = "",
         transport: ClientFactory = ZmqClient,
         clock: Clock = SYSTEM_CLOCK,
+        model_buffers: ModelBuffers | None = None,
     ) -> None:
         """`probe`: the worker's bus.shared.Probe offer, named in its Join ("": it pushes
-        bytes only). `transport` makes the sockets; `clock` is read for every deadline."""
+        bytes only). `transport` makes the sockets; `clock` is read for every deadline.
+        `model_buffers`: where the buffers published with the weights are loaded (the
+        link to the first shard's; None: the coordinator's buffers are not taken here)."""
         self.endpoint = endpoint
         self._probe = probe
         self._hub = hub
@@ -135,6 +139,7 @@ class Link:
         self._clock = clock
         self.layout = shard.layout
         self._weights = weights  # this shard's views of the worker's flat weights
+        self.model_buffers = model_buffers
         self._owner = owner
         self._keys = keys
         self._client: ClientTransport | None = None
@@ -265,13 +270,20 @@ class Link:
                 self.load(weights.weights)
             for change in weights.changes:
                 changed.apply(self._weights, change.tensors)
+                self._load_buffers(change)
                 self.version = change.version
             return
         self.layout.check([(t.dtype, tuple(t.shape)) for t in weights.tensors])
         with torch.no_grad():
             for dst, src in zip(self._weights, weights.tensors, strict=True):
                 copy_into(dst, src)
+        self._load_buffers(weights)
         self.version = weights.version
+
+    def _load_buffers(self, message: Message) -> None:
+        """The model's buffers published with these weights, if they came with them."""
+        if message.state and self.model_buffers is not None:
+            self.model_buffers.load(message.state)
 
     async def load_shared(self) -> None:
         """Load, here on the loop, the newest whole weights if they came by reference (from
@@ -322,6 +334,7 @@ class Link:
         if Shelf.generation(first) != weights.generation:
             return None  # rewritten already: load_shared copies, finds it torn, and pulls
         self._latest, self._latest_shared = None, False
+        self._load_buffers(weights)
         self.version = weights.version
         self.by_reference += 1
         return weights

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tensorbus.bus.layout import Layout
+from tensorbus.nodes.model_buffers import carried
 
 
 class ShardModel(nn.Module):
@@ -41,13 +42,17 @@ class ShardModel(nn.Module):
                 view.copy_(param)
         for entry, part in zip(self.shard.layout.entries, self.shard.take(flat), strict=True):
             self.register_parameter(entry.name, nn.Parameter(part.clone()))
+        # The model's buffers travel to and from shard 0 only (nodes.model_buffers).
+        self.carried_buffers = ([(name, b.detach().clone()) for name, b in carried(model)]
+                                if index == 0 else [])
 
     def forward(self, *_: object) -> torch.Tensor:
         raise TypeError("a ShardModel holds a range of a model's parameters and computes "
                         "nothing: evaluate the model that `put_into` fills")
 
     def put_into(self, model: nn.Module) -> None:
-        """Write this shard's weights into their place in `model` (the same architecture)."""
+        """Write this shard's weights into their place in `model` (the same architecture),
+        and, for shard 0, the model's buffers."""
         if Layout.of(model.named_parameters()).digest != self._layout.digest:
             raise ValueError("put_into needs a model of the layout this shard was cut from")
         flat = self._layout.allocate()
@@ -59,6 +64,10 @@ class ShardModel(nn.Module):
                 part.copy_(mine)
             for view, param in zip(self._layout.views(flat), params, strict=True):
                 param.copy_(view)
+            kept = dict(self.carried_buffers)
+            for name, buffer in carried(model):
+                if name in kept:
+                    buffer.copy_(kept[name])
 
 
 def assemble(model: nn.Module, shards: Iterable[ShardModel]) -> nn.Module:

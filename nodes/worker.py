@@ -136,8 +136,10 @@ class Worker:
             Link(endpoint, shard, shard.take(self.flat.weights), self,
                  request_timeout_s=config.request_timeout_s, keys=config.keys, hub=hub,
                  probe=self._probe.offer if self._probe is not None else "",
-                 transport=transport, clock=clock)
-            for endpoint, shard in zip(config.endpoints, self._shards, strict=True)
+                 transport=transport, clock=clock,
+                 # (The buffers travel to and from the first shard only.)
+                 model_buffers=self.flat.model_buffers if i == 0 and self.flat.model_buffers else None)
+            for i, (endpoint, shard) in enumerate(zip(config.endpoints, self._shards, strict=True))
         ]
         self._last_loss: float | None = None
         self._ended: asyncio.Future[Exception] | None = None  # set: this session is over
@@ -302,7 +304,7 @@ class Worker:
         log.info("worker %d joined at version %d (%s)", self.rank, self.version, welcome.strategy)
         # Loaded by now: kept for the session without its frames, which may be the sender's
         # own memory (an in-process shard's snapshot, which it may not reuse while held).
-        return replace(welcome, tensors=())
+        return replace(welcome, tensors=(), state=())
 
     # Training ------------------------------------------------------------------------------
 
@@ -475,7 +477,8 @@ class Worker:
         push = Push(sender=self.rank, version=version, clock=clock, loss=loss,
                     samples=samples, tensors=part, began=began,
                     compute_s=self._clock.monotonic() - started, comm_s=comm_s, wait_s=wait_s,
-                    batches=self._batches.length)
+                    batches=self._batches.length,
+                    state=link.model_buffers.copy() if link.model_buffers is not None else ())
         return await link.request_tracked(push, patient=True, refer=refer)
 
     def _make_outbox(self, compression: Compression, weights: bool, *, shared: bool) -> Outbox:
