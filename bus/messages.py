@@ -149,6 +149,7 @@ class Welcome(Message):
     # A worker that steps its own weights (average) clips its gradient to this norm first
     # (0: no clipping); where gradients are pushed, the coordinator clips their average.
     clip_grad_norm: float = 0.0
+    precision: str = ""  # the forward's autocast: "", "bf16-mixed" or "fp16-mixed"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +177,7 @@ class Push(Message):
     comm_s: float = 0.0  # since the previous compute ended: sending, receiving, loading weights
     wait_s: float = 0.0  # since the previous compute ended: held back, waiting for a version
     batches: int = -1  # batches per epoch of its shard, once known (see Ready)
+    overflows: int = 0  # fp16 steps skipped so far for an overflow (nodes.precision)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,8 @@ from typing import Final
 # under a topic frame, a version's weights by reference too (Weights.generation); 7: segment
 # names carry their creator's start time (bus.shared.sweep); 8: the Welcome's seed; 9: a
 # push says its shard's length once known (data() without len()); 10: the model's buffers
-# ride with pushes and weights (header key "b"), the Welcome's clip_grad_norm
+# ride with pushes and weights (header key "b"), the Welcome's clip_grad_norm and
+# precision, a push's fp16 overflows
 PROTOCOL_VERSION: Final = 10
 
 

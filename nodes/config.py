@@ -10,6 +10,7 @@ from pathlib import Path
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.security import ClientKeys, ServerKeys
 from tensorbus.nodes.faults import Faults
+from tensorbus.nodes.precision import Precision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,8 @@ class CoordinatorConfig:
     # Scale each step's gradient to at most this 2-norm: the averaged gradient here, or a
     # worker's local one under `average` (told in its Welcome). None: no clipping.
     clip_grad_norm: float | None = None
+    # The workers' forward in autocast: "", "bf16-mixed" or "fp16-mixed" (nodes.precision).
+    precision: str = ""
 
     def __post_init__(self) -> None:
         if self.first_rank < 0:
@@ -84,6 +87,7 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.clip_grad_norm is not None and not 0 < self.clip_grad_norm < math.inf:
             raise ValueError(f"clip_grad_norm must be positive, got {self.clip_grad_norm}")
+        Precision.parse(self.precision)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
         if not 0 < self.heartbeat_s < self.timeout_s:

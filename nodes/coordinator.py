@@ -578,6 +578,7 @@ class Coordinator:
             shared=(self._probe.offer if self._probe is not None and message.shared
                     and Probe.seen(message.shared) else ""), seed=self.config.seed,
             clip_grad_norm=self.config.clip_grad_norm or 0.0,
+            precision=self.config.precision,
         )
         self._copy_held(admitted.rank)
         await self._refresh_snapshot()
@@ -620,6 +621,8 @@ class Coordinator:
         if fold is not None and finite and Keep(member.rank, message.version) not in decisions:
             self._let_go_of_fold()  # folded, but not taken: the step must not count it
         self.metrics.worker(member.rank)["pushes"] += 1
+        if message.overflows:
+            self.metrics.worker(member.rank)["overflows"] = message.overflows
         by_reference = bool(self._shelf is not None and message.tensors
                              and self._shelf.holds(message.tensors[0]))
         if by_reference:

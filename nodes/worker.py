@@ -50,11 +50,14 @@ from tensorbus.nodes.handover import Handover
 from tensorbus.nodes.link import Link, Newer, RunFailedError, Stopped
 from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
 from tensorbus.nodes.outbox import Keeping, Outbox
+from tensorbus.nodes.precision import LossScale, Precision
 from tensorbus.nodes.schedules import Schedule, SchedulerFactory, make_schedule
 from tensorbus.strategies.base import PushKind, Wait
 
 log = logging.getLogger("tensorbus.worker")
 _T = TypeVar("_T")
+# fp16 steps in a row skipped for an overflow, after which the gradient goes as it is.
+_MAX_OVERFLOWS = 32
 FINISHING_SAY_S = 5.0  # a failed worker waiting longer for its compute thread says so
 # After a compute on a coordinator's weight set that was written again meanwhile (done
 # again), the next computes copy their weights in before one computes in place again: 2
@@ -119,6 +122,8 @@ class Worker:
         self._make_optimizer = optimizer  # used only when the strategy has workers own one
         self._optimizer: torch.optim.Optimizer | None = None
         self._clip = 0.0  # the gradient norm its own steps clip to (average's); 0: none
+        self._precision = Precision.FULL  # the run's, from the Welcome (nodes.precision)
+        self._scale: LossScale | None = None  # fp16's loss scale, kept across rejoins
         self._make_scheduler = scheduler
         self._unused = 0  # samples an epoch leaves out, as its data says (Ready.unused)
         self._schedule: Schedule | None = None  # on its own optimizer, if it has one
@@ -340,6 +345,13 @@ class Worker:
             if self._make_scheduler is not None:
                 self._schedule = make_schedule(self._make_scheduler, self._optimizer)
         self._clip = welcome.clip_grad_norm if weights_pushed else 0.0
+        try:
+            self._precision = Precision.parse(welcome.precision)
+            self._precision.check(self.device)
+        except ValueError as e:
+            raise ComputeError(f"worker {self.rank}: {e}") from None
+        if self._precision is Precision.FP16 and self._scale is None:
+            self._scale = LossScale()
         # Async holds nobody back: the next gradient is computed, into the other set of
         # buffers, while this one is on the wire (its answers are taken meanwhile).
         pipelined = wait is Wait.NOTHING and not weights_pushed
@@ -478,6 +490,7 @@ class Worker:
                     samples=samples, tensors=part, began=began,
                     compute_s=self._clock.monotonic() - started, comm_s=comm_s, wait_s=wait_s,
                     batches=self._batches.length,
+                    overflows=self._scale.skipped if self._scale is not None else 0,
                     state=link.model_buffers.copy() if link.model_buffers is not None else ())
         return await link.request_tracked(push, patient=True, refer=refer)
 
@@ -578,20 +591,24 @@ class Worker:
                     announce(i)
 
         total_loss, samples = 0.0, 0
-        for step in range(local_steps):
+        scale, overflows = self._scale, 0
+        step = 0
+        while step < local_steps:
             self.config.faults.before_step(self.steps)
             inputs, targets = self._again or self._batches_next()
             self._again = None
             self.flat.begin_backward()
             pushes_gradient = step == local_steps - 1 and self._optimizer is None
-            self._on_range = finish if pushes_gradient else None
+            # (A scaled gradient is ready to send once unscaled, after backward.)
+            self._on_range = finish if pushes_gradient and scale is None else None
             try:
-                loss = self._loss(self._model(inputs), targets)
+                with self._precision.autocast(self.device):
+                    loss = self._loss(self._model(inputs), targets)
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                     raise _NotALoss(loss)
                 figure = float(loss.detach())
                 self._forward = (figure, len(inputs))  # what an early push reports
-                loss.backward()
+                (loss * scale.scale if scale is not None else loss).backward()
             except _NotALoss as e:
                 raise ComputeError(
                     f"worker {self.rank}: loss(output, target) returned {e}, not a tensor of one "
@@ -604,6 +621,14 @@ class Worker:
             finally:
                 self._on_range = None
             self.flat.gather_grads()
+            if scale is not None and not scale.unscale(self.flat.grads):
+                overflows += 1
+                # Skipped: the next batch instead, on the same weights. Where overflows
+                # go on and on (the scale is far below 1), the model itself is not
+                # finite: the gradient goes as it is, for the coordinator to judge.
+                if overflows < _MAX_OVERFLOWS:
+                    self.steps += 1
+                    continue
             if self._optimizer is not None:
                 if self._clip:
                     self.flat.clip_grads(self._clip)
@@ -614,6 +639,7 @@ class Worker:
                     self._schedule.after_step(
                         batches.position // batches.length if batches.length > 0 else None)
             self.steps += 1
+            step += 1
             total_loss += figure
             samples += len(inputs)
         if self._optimizer is not None:

@@ -295,7 +295,7 @@ def _run_options(args: argparse.Namespace) -> RunOptions:
         checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
         trace=args.trace, compress=args.compress or "", shards=_shards(args),
         colocate=getattr(args, "colocate", False), shared_memory=not args.no_shared_memory,
-        clip_grad_norm=args.clip_grad_norm, save=args.save,
+        clip_grad_norm=args.clip_grad_norm, save=args.save, precision=args.precision or "",
     )
 
 

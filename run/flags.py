@@ -266,6 +266,10 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
                    help="scale each step's gradient to a 2-norm of at most X: the averaged "
                         "gradient at the coordinator (sync, ssp, async), each worker's own "
                         "under average")
+    p.add_argument("--precision", choices=["bf16-mixed", "fp16-mixed"],
+                   help="run each worker's forward and loss under autocast in bf16 (CPU or "
+                        "CUDA) or fp16 (CUDA, with loss scaling); weights, gradients and "
+                        "steps stay fp32")
     p.add_argument("--metrics", type=Path, help="write JSON lines here, summary last")
     p.add_argument("--save", type=Path, metavar="FILE.pt",
                    help="write the trained model's state_dict here at the end (what "

@@ -28,6 +28,7 @@ import torch
 from tensorbus.bus.shared import sweep
 from tensorbus.bus.transport import new_event_loop
 from tensorbus.nodes.coordinator import Coordinator, Progress
+from tensorbus.nodes.precision import Precision
 from tensorbus.run.children import Forked, Forks, can_fork, die_with_parent
 from tensorbus.run.device import resolve as resolve_device
 from tensorbus.run.export import save_model
@@ -76,6 +77,10 @@ def launch_local(
     state a fork would copy, so it gets fresh interpreters unless it asks."""
     count = torch.cuda.device_count() if device != "cpu" else 0
     devices = [resolve_device(device, rank % max(count, 1)) for rank in range(options.workers)]
+    if options.precision == Precision.FP16.value and "cpu" in devices:
+        raise ValueError("--precision fp16-mixed needs CUDA, and "
+                         + ("this machine has none" if count == 0 else "--device puts workers on the CPU")
+                         + ": use bf16-mixed (or the GPUs)")
     # With --colocate this process is worker 0: the others are processes.
     forks = _forks(options.workers - (1 if options.colocate else 0), devices) if fork else None
     try:

@@ -63,6 +63,7 @@ class RunOptions:
     shared_memory: bool = True
     clip_grad_norm: float | None = None  # the largest 2-norm of a step's gradient
     save: Path | None = None  # write the trained model's state_dict here at the end
+    precision: str = ""  # "bf16-mixed" or "fp16-mixed": the workers' forward in autocast
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -254,6 +255,7 @@ def coordinator_config(
         shared_memory=options.shared_memory,
         seed=options.seed,
         clip_grad_norm=options.clip_grad_norm,
+        precision=options.precision,
     )
 
 

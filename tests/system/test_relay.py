@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,33 +35,43 @@ ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
 
 
-def _worker(endpoint: str) -> Worker:
-    return Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=sgd,
+def _bn_model() -> torch.nn.Module:
+    """The digits model with BatchNorm, whose running statistics travel (seed 0)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def _worker(endpoint: str, model: Callable[[], torch.nn.Module] = digits.model) -> Worker:
+    return Worker(model=model(), data=digits.data, loss=digits.loss, optimizer=sgd,
                   config=WorkerConfig(connect=endpoint))
 
 
-def _flat(strategy: Strategy, steps: int) -> torch.nn.Module:
+def _flat(strategy: Strategy, steps: int,
+          model: Callable[[], torch.nn.Module] = initial) -> torch.nn.Module:
     async def train() -> torch.nn.Module:
-        root = Coordinator(model=initial(), strategy=strategy, optimizer=sgd,
+        root = Coordinator(model=model(), strategy=strategy, optimizer=sgd,
                            config=CoordinatorConfig(batch_size=BATCH, steps=steps))
         endpoint = root.bind()
-        await asyncio.gather(root.run(), *(_worker(endpoint).run() for _ in range(strategy.workers)))
+        await asyncio.gather(root.run(), *(_worker(endpoint, model).run()
+                                           for _ in range(strategy.workers)))
         return root.model
 
     return asyncio.run(train())
 
 
 def _tree(root_strategy: Strategy, local: type[Strategy], steps: int, relays: int = 2,
-          per_relay: int = 2, **options: object) -> tuple[torch.nn.Module, list[dict]]:
+          per_relay: int = 2, model: Callable[[], torch.nn.Module] = initial,
+          **options: object) -> tuple[torch.nn.Module, list[dict]]:
     async def train() -> tuple[torch.nn.Module, list[dict]]:
-        root = Coordinator(model=initial(), strategy=root_strategy, optimizer=sgd,
+        root = Coordinator(model=model(), strategy=root_strategy, optimizer=sgd,
                            config=CoordinatorConfig(batch_size=BATCH, steps=steps))
         upstream = root.bind()
-        tree = [Relay(model=digits.model(), strategy=local(workers=per_relay, **options),
+        tree = [Relay(model=model(), strategy=local(workers=per_relay, **options),
                       config=CoordinatorConfig(steps=1), upstream=upstream)
                 for _ in range(relays)]
         local_endpoints = [relay.bind() for relay in tree]
-        workers = [_worker(e) for e in local_endpoints for _ in range(per_relay)]
+        workers = [_worker(e, model) for e in local_endpoints for _ in range(per_relay)]
         results = await asyncio.gather(root.run(), *(r.run() for r in tree),
                                        *(w.run() for w in workers))
         ranks = sorted(w.rank for w in workers)
@@ -76,6 +87,18 @@ def test_a_sync_tree_gives_the_weights_of_the_flat_sync_run() -> None:
     assert max_difference(flat, tree) <= 1e-5
     assert max_difference(flat, initial()) > 1e-3  # it did train
     assert [s["ended"] for s in summaries] == ["the root stopped"] * 2
+
+
+def test_a_sync_tree_carries_the_running_statistics_of_the_flat_run() -> None:
+    # Each relay publishes the root's statistics and sends the mean of its own workers':
+    # the root's mean of two relays' means of two is the flat run's mean of four.
+    flat = _flat(Sync(workers=4), steps=6, model=_bn_model)
+    tree, _ = _tree(Sync(workers=2), Sync, steps=6, model=_bn_model)
+    assert max_difference(flat, tree) <= 1e-5
+    flat_buffers, tree_buffers = dict(flat.named_buffers()), dict(tree.named_buffers())
+    assert int(tree_buffers["1.num_batches_tracked"]) == 6
+    for name, value in flat_buffers.items():
+        torch.testing.assert_close(tree_buffers[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 def test_an_averaging_tree_gives_the_weights_of_the_flat_averaging_run() -> None:

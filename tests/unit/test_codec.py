@@ -151,10 +151,10 @@ SAMPLES = {
                           batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9,
                           compress="bf16",
                           shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
-                          seed=3, clip_grad_norm=0.5, tensors=WEIGHTS),
+                          seed=3, clip_grad_norm=0.5, precision="bf16-mixed", tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
-                    began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14,
+                    began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14, overflows=2,
                     tensors=WEIGHTS),
     Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
     Kind.PULL: Pull(sender=3, request=14, version=6),
@@ -211,7 +211,7 @@ def test_header_is_the_documented_map():
         "v": 7,
         "t": [["float32", [6], 24, CHUNK_BYTES], ["int64", [3], 24, CHUNK_BYTES]],
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
-              "comm_s": 0.003, "wait_s": 0.01, "batches": 14},
+              "comm_s": 0.003, "wait_s": 0.01, "batches": 14, "overflows": 2},
     }
     assert len(frames) == 3
 
