@@ -13,7 +13,8 @@ nothing is in flight outside the loop and a `bus.clock.VirtualTimeLoop` can jump
 - What is sent is copied at once, so a sender may reuse its buffers when `send` returns
   (no tracker).
 - A message to an endpoint where nothing listens is lost, as are messages across a
-  `partition` until it is healed: a lost coordinator, or a worker gone silent.
+  `partition` until it is healed (a lost coordinator), and every message to or from a
+  client that was `sever`ed (a worker killed: it says nothing more, not even goodbye).
 
 It has no security: keys are refused, not ignored.
 """
@@ -40,6 +41,7 @@ class MemoryNetwork:
         self._numbers = itertools.count(1)
         self._identities = itertools.count(1)
         self._cut: set[str] = set()
+        self._severed: set[bytes] = set()  # client identities
         # What was lost on its way to a server, (loop time, endpoint, frames): how a test
         # sees what a node tried while nobody could hear it.
         self.lost: list[tuple[float, str, list[memoryview]]] = []
@@ -61,6 +63,10 @@ class MemoryNetwork:
         if keys is not None:
             raise ValueError("the in-memory transport has no CURVE: give no keys")
         return MemoryClient(self, connect, next(self._identities).to_bytes(5, "big"))
+
+    def sever(self, client: MemoryClient) -> None:
+        """Lose every message `client` sends or is sent from now on, for good."""
+        self._severed.add(client.identity)
 
     def partition(self, endpoint: str) -> None:
         """Lose every message to and from the server at `endpoint` until `heal`."""
@@ -92,7 +98,8 @@ class MemoryServer:
 
     async def send(self, peer: bytes, frames: Frames) -> None:
         client = self._clients.get(peer)
-        if client is not None and self._network._reachable(self.endpoint) is self:
+        if (client is not None and self._network._reachable(self.endpoint) is self
+                and peer not in self._network._severed):
             client.replies.put_nowait(_copied(frames))
 
     async def publish(self, frames: Frames, topic: bytes = TOPIC_ALL) -> None:
@@ -100,7 +107,8 @@ class MemoryServer:
             return
         message = _copied(frames)
         for client in self._subscribers:
-            if topic in client.topics and client.broadcasts.qsize() < PUB_QUEUE:
+            if (topic in client.topics and client.broadcasts.qsize() < PUB_QUEUE
+                    and client.identity not in self._network._severed):
                 client.broadcasts.put_nowait(message)
 
     def wants(self, topic: bytes) -> bool:
@@ -141,7 +149,7 @@ class MemoryClient:
 
     async def send(self, frames: Frames) -> None:
         server = self._network._reachable(self._connect)
-        if server is not None:
+        if server is not None and self.identity not in self._network._severed:
             server._take(self, _copied(frames))
         else:
             loop_time = asyncio.get_running_loop().time()

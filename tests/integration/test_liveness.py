@@ -37,8 +37,9 @@ from tensorbus.bus.messages import (
 )
 from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from tensorbus.nodes.failures import JoinTimedOut, TooFewWorkers
+from tensorbus.nodes.faults import Faults
 from tensorbus.nodes.flat import FlatModel
-from tensorbus.strategies import Sync
+from tensorbus.strategies import Async, PeriodicAveraging, StaleSync, Sync
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -180,13 +181,21 @@ def test_a_silent_worker_is_removed_timeout_s_after_its_last_beat() -> None:
 
 
 def test_too_few_joined_within_the_join_timeout_fails_the_run_then() -> None:
+    """Two of three join; one of them dies before training begins (removed for silence):
+    at the join timeout the run fails, naming it. (tests/system/test_errors.py has the
+    same line from `tensorbus coordinator`.)"""
     async def scenario(clock: LoopClock) -> tuple[float, JoinTimedOut]:
         network = MemoryNetwork()
-        coordinator = _coordinator(network, clock, join_timeout_s=300.0)
+        coordinator = Coordinator(
+            model=digits.model(), strategy=Sync(workers=3), transport=network.server,
+            clock=clock, config=CoordinatorConfig(batch_size=8, steps=10, join_timeout_s=300.0,
+                                                  timeout_s=10.0, shared_memory=False))
         run = asyncio.create_task(coordinator.run())
-        peer = Peer(network, coordinator.bind())
-        assert isinstance(await peer.join(), Welcome)
+        peer, dies = Peer(network, coordinator.bind()), Peer(network, coordinator.bind())
+        assert isinstance(await peer.join(), Welcome) and isinstance(await dies.join(), Welcome)
         beating = asyncio.create_task(peer.beat(400))
+        await dies.beat(2)
+        network.sever(dies.client)
         with pytest.raises(JoinTimedOut) as failed:
             await run
         await _end(beating)
@@ -194,7 +203,10 @@ def test_too_few_joined_within_the_join_timeout_fails_the_run_then() -> None:
 
     started = time.monotonic()
     ended, failure = run_virtual(scenario)
-    assert (failure.joined, failure.wanted, failure.waited_s) == (1, 2, 300.0)
+    assert (failure.joined, failure.wanted, failure.waited_s) == (1, 3, 300.0)
+    assert failure.lost_early == (1,)
+    assert str(failure).startswith("only 1 of 3 workers joined within 300 s; 1 joined and were "
+                                   "lost before training began (ranks 1): ")
     assert 300.0 <= ended <= 300.0 + 0.5 + 5.0 + 1.0  # the next tick, the stop's wait
     assert time.monotonic() - started < 1.0
 
@@ -320,3 +332,73 @@ def test_a_scenario_that_nothing_can_end_is_said_to_be_one(monkeypatch: pytest.M
 
     with pytest.raises(RuntimeError, match="nothing to run for 0.2 s"):
         run_virtual(stuck)
+
+
+# Each with versions enough to go on after the loss is noticed (ssp and async make a
+# version of every gradient, average of every two steps).
+KILLED = {
+    "sync": (Sync(workers=3), 60),
+    "backups": (Sync(workers=3, backups=1), 60),
+    "ssp": (StaleSync(workers=3, staleness=2), 150),
+    "async": (Async(workers=3), 150),
+    "average": (PeriodicAveraging(workers=3, average_every=2), 30),
+}
+
+
+@pytest.mark.parametrize("name", list(KILLED))
+def test_a_worker_killed_mid_run_is_removed_for_silence_and_the_run_finishes(name: str) -> None:
+    """One of three workers dies at version 5, with not a word more (its traffic severed,
+    its task ended): the coordinator notices from the missing heartbeats alone, timeout_s
+    after it last heard from it, names it as lost, and finishes with the other two, which
+    end normally. The real-process version: tests/system/test_faults_local.py (sync, async)."""
+    strategy, steps = KILLED[name]
+
+    async def scenario(clock: LoopClock) -> tuple[float, Coordinator, list[Worker]]:
+        network = MemoryNetwork()
+        killed: list[float] = []
+        removed: list[float] = []
+        tasks: list[asyncio.Task[Any]] = []
+
+        def kill(progress: Any) -> None:
+            # At the step itself: the workers compute in real time, which virtual time
+            # does not count, so a test that polled would see the run over first.
+            if progress.version >= 5 and not killed:
+                victim = next(i for i, w in enumerate(workers) if w.rank == 1)
+                network.sever(workers[victim].links[0]._client)
+                tasks[victim].cancel()
+                killed.append(clock.monotonic())
+
+        torch.manual_seed(0)
+        coordinator = Coordinator(
+            model=digits.model(), strategy=strategy, lr=0.05, transport=network.server,
+            clock=clock, on_step=kill,
+            config=CoordinatorConfig(batch_size=8, steps=steps, timeout_s=2.0, heartbeat_s=0.25,
+                                     shared_memory=False))
+        write = coordinator.metrics.write
+
+        def noting(event: str, **fields: Any) -> None:  # when each record is written
+            removed.extend([clock.monotonic()] if event == "lost" else [])
+            write(event, **fields)
+
+        coordinator.metrics.write = noting  # type: ignore[method-assign]
+        endpoint = coordinator.bind()
+        workers = [Worker(model=digits.model(), data=digits.data, loss=digits.loss,
+                          config=WorkerConfig(connect=endpoint, shared_memory=False,
+                                              faults=Faults(slow_s=0.01)),
+                          transport=network.client, clock=clock) for _ in range(3)]
+        tasks.extend(asyncio.create_task(w.run()) for w in workers)
+        await coordinator.run()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert sum(isinstance(r, asyncio.CancelledError) for r in results) == 1
+        assert not any(isinstance(r, Exception) for r in results), results
+        return removed[0] - killed[0], coordinator, workers
+
+    started = time.monotonic()
+    noticed, coordinator, workers = run_virtual(scenario)
+    assert coordinator.version == steps
+    lost = coordinator.metrics.lost
+    assert [w["rank"] for w in lost] == [1]
+    assert all(coordinator.metrics.worker(r)["joins"] == 1 for r in range(3))  # no churn
+    # Noticed timeout_s after its last beat (a beat before the kill, at most), at a tick.
+    assert 2.0 - 0.25 <= noticed <= 2.0 + 0.25 + 0.1, noticed
+    assert time.monotonic() - started < 10.0
