@@ -46,8 +46,15 @@ def test_a_generator_function_makes_two_passes_as_a_list_does(tmp_path: Path,
                                                               strategy: list[str]) -> None:
     listed = _run(_spec(tmp_path, generator=False), strategy)
     generated = _run(_spec(tmp_path, generator=True), strategy)
-    assert generated["steps"] == listed["steps"] > 0
-    assert generated["samples"] == listed["samples"]
+    if strategy[1] == "async":
+        # Under async a worker may run far ahead of another (on a loaded machine, one
+        # was seen at 73 pushes to the other's 11): the run's length is known once the
+        # slowest first pass ends, and what was applied before then stays applied.
+        assert generated["steps"] >= listed["steps"] > 0
+        assert generated["samples"] == 64 * generated["steps"]
+    else:
+        assert generated["steps"] == listed["steps"] > 0
+        assert generated["samples"] == listed["samples"]
     calls = (tmp_path / "calls.txt").read_text().split()
     # Called anew for each epoch: twice a rank at least (a worker may begin a third pass
     # with the batch it computes while the run ends).
