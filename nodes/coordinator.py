@@ -264,7 +264,7 @@ class Coordinator:
         self._buffer_mean = BufferMean(self.flat.model_buffers.layout)
         self._buffers_out = self.flat.model_buffers.copy()
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
-                               append=config.resume)
+                               append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
 
     @property

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -193,7 +192,7 @@ class Relay(Coordinator):
             computed_on = link.version
             self.phase = Phase.PUSHING
             push = Push(sender=self.rank, version=computed_on, clock=self.clock, loss=loss,
-                        samples=samples, tensors=self.flat.grads, began=time.time(),
+                        samples=samples, tensors=self.flat.grads, began=self._clock.wall(),
                         state=self._upstream_buffers())
             self.clock += 1
             ack, self._sent = await link.request_tracked(push, patient=True)

@@ -419,6 +419,10 @@ class Worker:
             loop = asyncio.get_running_loop()
             ready = [loop.create_future() for _ in self.links]
             clock = self.clock  # what this push counts (the clock moves on once it is sent)
+            if delay := self.config.faults.delay(welcome.local_steps):
+                # A straggler on purpose (nodes.faults): on the weights it holds now, and
+                # on the coordinator's set where it computes in place.
+                await asyncio.sleep(delay)
             compute, ended = _in_thread(loop, self._compute_thread, functools.partial(
                 self._compute, latest, welcome.local_steps, current,
                 functools.partial(_announce, loop, ready) if early else None,
