@@ -343,8 +343,10 @@ def test_under_async_one_rank_whose_updates_are_nan_contributes_nothing(tmp_path
         "    batches = list(_data(rank, world_size, batch_size))\n"
         "    if rank != 1:\n        return batches\n"
         "    return [(x * float('nan'), y) for x, y in batches]\n"))
+    # (The others slowed, so that rank 1 pushes before they have made the 60 versions.)
     done = _tensorbus("local", str(spec), "--workers", "3", "--steps", "60", "--strategy",
-                      "async", "--threads", "1", "--no-progress", "--json")
+                      "async", "--threads", "1", "--no-progress", "--json",
+                      "--fault", "slow:0:30", "--fault", "slow:2:30")
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
     assert summary["steps"] == 60 and summary["dropped"]["not_finite"] >= 1
