@@ -32,7 +32,6 @@ from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import (
     BUILD,
     Ack,
-    Changes,
     Heartbeat,
     Join,
     Leave,
@@ -50,8 +49,6 @@ from tensorbus.bus.messages import (
 from tensorbus.bus.pieces import Received, all_finite
 from tensorbus.bus.shared import Gallery, Probe, SharedTensorError, Shelf, sweep
 from tensorbus.bus.transport import (
-    TOPIC_SHARED,
-    TOPIC_WEIGHTS,
     Hub,
     ServerFactory,
     ServerTransport,
@@ -70,11 +67,13 @@ from tensorbus.nodes.failures import (
 )
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.fold import Fold, next_to_fold, step_alpha
-from tensorbus.nodes.master import AllDone, Master, shared_pool, tracked, weights_gallery
+from tensorbus.nodes.master import Master, shared_pool, weights_gallery
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.model_buffers import BufferMean
 from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
+from tensorbus.nodes.publisher import Publisher
+from tensorbus.nodes.run_length import RunLength
 from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
 from tensorbus.nodes.shards import ShardModel
 from tensorbus.nodes.watch import Status, Watch
@@ -210,8 +209,8 @@ class Coordinator:
         self._held: dict[int, _Held] = {}
         self._fold: Fold | None = None  # the next version, made as its pushes come
         self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
-        self._target = config.steps  # in versions; or
-        self._target_samples: int | None = None  # from --epochs, fixed when training starts
+        self._length = RunLength(steps=config.steps, epochs=config.epochs,
+                                 batch_size=config.batch_size)
         self._evals = EvalPoints(config.eval_every_s, evaluate,
                                  every_epochs=config.eval_every_epochs)
         # Versions made in shared memory, which workers of this host read where they lie.
@@ -233,9 +232,7 @@ class Coordinator:
         self._schedule = (make_schedule(scheduler, self.master.optimizer)
                           if scheduler is not None and self.master.optimizer is not None
                           and not weights_pushed else None)
-        self._epoch_samples: int | None = None  # samples in a pass over every shard, once known
-        self._broadcast: Tracker | None = None  # the last broadcast of weights, until sent
-        self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
+        self._publisher: Publisher | None = None  # made once bound
         self._max_bytes = self.flat.layout.nbytes + 65536
         self._server: ServerTransport | None = None
         # Workers on this host push by reference (bus.shared): the proof of our /dev/shm
@@ -314,6 +311,13 @@ class Coordinator:
                 except OSError as e:
                     log.info("workers on this host push bytes, not references: no shared "
                              "memory here (%s)", e)
+            self._publisher = Publisher(
+                self.master, self._server, step_lock=self._step_lock, clock=self._clock,
+                heartbeat_s=self.config.heartbeat_s, metrics=self.metrics, gallery=self._gallery,
+                probe=self._probe, version=lambda: self.version,
+                stopping=lambda: self.state in (State.STOPPING, State.STOPPED),
+                buffers=self._published_buffers,
+                background=lambda c: asyncio.create_task(self._guard(c)))
         return self.endpoint
 
     async def run(self, *, before_evaluate: Awaitable[Any] | None = None) -> dict[str, Any]:
@@ -334,7 +338,7 @@ class Coordinator:
         try:
             if self.config.resume:
                 self._resume()
-            await self._publish()
+            await self._published.publish()
         except BaseException:
             if self._gallery is not None:
                 self._gallery.close()
@@ -346,8 +350,8 @@ class Coordinator:
             self.metrics.close()
             raise
         finally:
-            if self._later is not None:
-                tasks.append(self._later)
+            if self._published.later is not None:
+                tasks.append(self._published.later)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -520,12 +524,12 @@ class Coordinator:
                     member.batches = batches
                 await self._push(peer, member, message, now)
             case Pull(version=have):
-                await self._refresh_snapshot()
+                await self._published.refresh()
                 if self.master.snapshot is not None and have >= self.master.snapshot.version:
                     # Nothing newer: say so without resending the model.
                     await self._reply(peer, Weights(request=message.request, version=self.version))
                 else:
-                    await self._send_weights(peer, Weights(request=message.request))
+                    await self._published.send(peer, Weights(request=message.request))
             case Leave(reason=reason, detail=detail):
                 await self._reply(peer, Ack(request=message.request, version=self.version))
                 self._departed[peer] = None
@@ -581,8 +585,8 @@ class Coordinator:
             precision=self.config.precision,
         )
         self._copy_held(admitted.rank)
-        await self._refresh_snapshot()
-        await self._send_weights(peer, welcome)
+        await self._published.refresh()
+        await self._published.send(peer, welcome)
 
     def _copy_held(self, rank: int) -> None:
         """Copy `rank`'s held push out of its shared memory, if it lies there: a worker that
@@ -774,8 +778,7 @@ class Coordinator:
             await self._apply_locked(decision, held)
 
     async def _apply_locked(self, decision: Apply, held: list[_Held]) -> None:
-        if self._target is None and self._target_samples is None:
-            self._target_samples = self._epochs_to_samples()
+        self._length.fix_target(self._ready_batches())
         started = self._clock.wall()
         await self._update([h.tensors for h in held], decision.scale,
                            loss=sum(h.loss for h in held) / len(held),
@@ -800,7 +803,7 @@ class Coordinator:
         if self.state is State.STARTING:
             self._enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
         started = self._clock.wall()
-        await self._publish()
+        await self._published.publish()
         self.watch.span("broadcast", started, version=self.version)
         for member in self._members:  # released from the barrier by this version
             if member.phase == Phase.WAITING.value and member.rank in decision.workers:
@@ -812,7 +815,7 @@ class Coordinator:
             self._take_eval_point()
         done = self._done_share()
         if self._on_step is not None:
-            self._on_step(Progress(self.version, self._target, loss, self.metrics.samples,
+            self._on_step(Progress(self.version, self._length.steps, loss, self.metrics.samples,
                                    self.metrics.wall_s(), done))
         if self._stop_at is not None and self.version >= self._stop_at:
             self._stop_at = None
@@ -839,18 +842,6 @@ class Coordinator:
         push held for the next version when a checkpoint is written is not in it, and its
         worker computes it again after a resume, as it would have been.)"""
         self._positions[rank] = self._positions.get(rank, 0) + self.strategy.rhythm.local_steps
-
-    def _reached(self) -> str:
-        """What the run has reached, in the terms of its target."""
-        return (f"version {self.version}" if self._target is not None
-                else f"{self.metrics.samples} samples")
-
-    def _done_share(self) -> float | None:
-        if self._target is not None:
-            return self.version / self._target
-        if self._target_samples is not None:
-            return self.metrics.samples / self._target_samples
-        return None
 
     async def _update(
         self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int,
@@ -957,40 +948,19 @@ class Coordinator:
             return self.lr
         return float(optimizer.param_groups[0]["lr"])
 
-    def _samples_per_epoch(self) -> int | None:
-        """Samples in one pass over the shards of the workers ready (fixed once known);
-        None while a shard's length is not known (data() without len(): its worker says
-        it once its first pass has ended), or never is (a relay's workers')."""
-        if self._epoch_samples is None:
-            batches = [m.batches for m in self._members if m.ready]
-            if not batches or min(batches) < 1:
-                return None
-            self._epoch_samples = sum(batches) * self.config.batch_size
-        return self._epoch_samples
+    def _done_share(self) -> float | None:
+        return self._length.done_share(self.version, self.metrics.samples)
+
+    def _reached(self) -> str:
+        return self._length.reached(self.version, self.metrics.samples)
 
     def _epochs_done(self) -> int | None:
         """Passes of samples over every worker's shard so far (None: not known yet)."""
-        per_epoch = self._samples_per_epoch()
-        return None if per_epoch is None else self.metrics.samples // per_epoch
+        return self._length.epochs_done(self.metrics.samples, self._ready_batches())
 
-    def _epochs_to_samples(self) -> int | None:
-        """--epochs as samples to apply: passes over the shards of the workers ready now;
-        None while a shard's length is not known (data() without len(): its worker says
-        it once its first pass has ended)."""
-        epochs = self.config.epochs
-        assert epochs is not None  # config guarantees steps or epochs
-        batches = [m.batches for m in self._members if m.ready]
-        if not batches or min(batches) == -2:
-            raise TrainingError(
-                "--epochs counts passes over every member's batches, and a relay never says "
-                "how many its workers have (their data is theirs): use --steps")
-        per_epoch = self._samples_per_epoch()
-        if per_epoch is None:
-            return None
-        samples = epochs * per_epoch
-        log.info("%d epoch(s) over %d workers' %d batches: %d samples",
-                 epochs, len(batches), sum(batches), samples)
-        return samples
+    def _ready_batches(self) -> list[int]:
+        """The shard lengths of the workers ready, in batches (-1: not known yet)."""
+        return [m.batches for m in self._members if m.ready]
 
     # Checkpoints -----------------------------------------------------------------------
 
@@ -1010,7 +980,7 @@ class Coordinator:
             "scheduler": ((self._schedule.scheduler.state_dict(), self._schedule.epochs_stepped)
                           if self._schedule is not None else None),
             "samples": self.metrics.samples,
-            "target_samples": self._target_samples,
+            "target_samples": self._length.target_samples,
             "positions": dict(self._positions),
             # What the positions are counted in: each rank's shard of the data, in batches.
             "workers": self.strategy.workers,
@@ -1066,7 +1036,7 @@ class Coordinator:
         self.version = state["version"]
         self.strategy.restore(state["strategy_state"])
         self.metrics.resumed(self.version, state["samples"], str(path))
-        self._target_samples = state["target_samples"]
+        self._length.target_samples = state["target_samples"]
         self._positions = dict(state["positions"])
         was = (state.get("workers", self.strategy.workers),
                state.get("batch_size", self.config.batch_size))  # (older checkpoints lack them)
@@ -1078,77 +1048,12 @@ class Coordinator:
                 "--batch-size would)", *was, self.strategy.workers, self.config.batch_size)
         log.info("resumed from %s at version %d", path, self.version)
 
-    # Sending -------------------------------------------------------------------------------
+    # Sending (versions: nodes.publisher) ---------------------------------------------------
 
-    async def _publish(self) -> None:
-        """Broadcast the version just made, or, while the last broadcast is still on its
-        way out, leave it to `_publish_later`: a worker loads the newest weights, never a
-        queue of old ones, so a version that is overtaken before it could go out need not
-        go (under async, updates can come faster than the PUB can send the model)."""
-        if self._broadcast is not None and not self._broadcast.done:
-            if self._later is None or self._later.done():
-                self._later = asyncio.create_task(self._guard(self._publish_later()))
-            return
-        await self._publish_now()
-
-    async def _publish_later(self) -> None:
-        # Not for longer than a heartbeat: a stopped subscriber's queue may hold the last
-        # broadcast until the PUB drops it, and the others must not wait on that.
-        delay, until = 0.0002, self._clock.monotonic() + self.config.heartbeat_s
-        while (self._broadcast is not None and not self._broadcast.done
-               and self._clock.monotonic() < until):
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.001)
-        async with self._step_lock:  # never copy weights that a step is writing
-            stopping = self.state in (State.STOPPING, State.STOPPED)
-            snapshot = self.master.snapshot
-            if not stopping and snapshot is not None and snapshot.version < self.version:
-                await self._publish_now()
-
-    async def _publish_now(self) -> None:
-        """Broadcast the current version: what changed since the last one published, where
-        that is little (top-k), or else the master weights themselves (nodes.master)."""
-        assert self._server is not None
-        self.metrics.broadcasts += 1
-        old = self.master.snapshot
-        changes = self.master.changes(self.version)
-        if changes is not None:
-            assert old is not None
-            message: Message = Changes(version=self.version, base=old.version, tensors=changes,
-                                       state=self._published_buffers())
-            self.master.advance_snapshot(changes, self.version, self._gallery)
-            self._broadcast = await self._server.publish(encode(message))
-            return
-        snapshot = self.master.take_snapshot(self.version)
-        weights = Weights(version=snapshot.version, tensors=snapshot.buffers,
-                          state=self._published_buffers())
-        sends: list[Tracker | None] = []
-        if self._server.wants(TOPIC_WEIGHTS):  # (made only for someone: bus.transport)
-            sends.append(await tracked(snapshot, self._server.publish(encode(weights), TOPIC_WEIGHTS)))
-        if self._probe is not None and self._server.wants(TOPIC_SHARED):
-            # For the workers of this host (bus.transport's topics): where the set lies in
-            # our shared memory, and its generation, or else its bytes too.
-            gallery = self._gallery
-            generation = gallery.generation(snapshot.buffers) if gallery is not None else None
-            frames = (encode(replace(weights, generation=generation), refer=gallery.locate)
-                      if gallery is not None and generation is not None else encode(weights))
-            sends.append(await tracked(snapshot, self._server.publish(frames, TOPIC_SHARED)))
-        self._broadcast = AllDone(sends)
-
-    async def _refresh_snapshot(self) -> None:
-        """Make the snapshot current where a broadcast is waiting (see `_publish`), so that
-        a Pull or a Welcome gets the newest version, not the one still on its way out."""
-        if self.master.snapshot is not None and self.master.snapshot.version < self.version:
-            async with self._step_lock:  # never copy weights that a step is writing
-                if self.master.snapshot.version < self.version:
-                    self.master.take_snapshot(self.version)
-
-    async def _send_weights(self, peer: bytes, message: Welcome | Weights) -> None:
-        snapshot = self.master.snapshot
-        assert snapshot is not None
-        message = replace(message, version=snapshot.version, tensors=snapshot.buffers,
-                          state=self._published_buffers())
-        await tracked(snapshot, self._reply(peer, message))
+    @property
+    def _published(self) -> Publisher:
+        assert self._publisher is not None, "bind() first"
+        return self._publisher
 
     async def _reply(self, peer: bytes, message: Message) -> Tracker | None:
         assert self._server is not None
@@ -1311,7 +1216,7 @@ class Coordinator:
                 member.rank, state=state, seen_s=now - member.last_seen, clock=member.clock,
                 version=member.version, behind=max(self.version - member.version, 0),
             ))
-        return Status(state=self.state.value, version=self.version, target=self._target,
+        return Status(state=self.state.value, version=self.version, target=self._length.steps,
                       samples=self.metrics.samples, train_s=self.metrics.train_s(),
                       loss=self.metrics.final_loss, workers=tuple(rows))
 

@@ -1,0 +1,71 @@
+"""How long a run is, and how far it has got: `--steps` versions, or `--epochs` passes of
+samples over every worker's shard.
+
+An epoch is a pass of samples, not of versions: under async a version is one worker's
+batch, under sync every worker's. Its size is the sum of the shards' lengths (in batches,
+as each worker says in its Ready, or with its push once its first pass ends where data()
+has no len()) times the batch size, fixed once known. The target in samples is fixed when
+training starts, or once every length is known.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tensorbus.nodes.failures import TrainingError
+
+log = logging.getLogger("tensorbus.coordinator")
+
+RELAY = -2  # a member's batches when it is a relay: its workers' data is theirs
+
+
+class RunLength:
+    def __init__(self, *, steps: int | None, epochs: int | None, batch_size: int) -> None:
+        self.steps = steps  # the target in versions, if given so
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.target_samples: int | None = None  # from --epochs, once fixed
+        self._epoch_samples: int | None = None  # samples in a pass over every shard
+
+    def samples_per_epoch(self, batches: Sequence[int]) -> int | None:
+        """Samples in one pass over the shards of `batches` (the ready workers'), fixed once
+        known; None while a shard's length is not known, or never is (a relay's)."""
+        if self._epoch_samples is None:
+            if not batches or min(batches) < 1:
+                return None
+            self._epoch_samples = sum(batches) * self.batch_size
+        return self._epoch_samples
+
+    def epochs_done(self, samples: int, batches: Sequence[int]) -> int | None:
+        """Passes of samples over every worker's shard in `samples` (None: not known yet)."""
+        per_epoch = self.samples_per_epoch(batches)
+        return None if per_epoch is None else samples // per_epoch
+
+    def fix_target(self, batches: Sequence[int]) -> None:
+        """Under --epochs, fix the target in samples if the shards' lengths are known."""
+        if self.steps is not None or self.target_samples is not None:
+            return
+        assert self.epochs is not None  # config guarantees steps or epochs
+        if not batches or min(batches) == RELAY:
+            raise TrainingError(
+                "--epochs counts passes over every member's batches, and a relay never says "
+                "how many its workers have (their data is theirs): use --steps")
+        per_epoch = self.samples_per_epoch(batches)
+        if per_epoch is None:
+            return
+        self.target_samples = self.epochs * per_epoch
+        log.info("%d epoch(s) over %d workers' %d batches: %d samples",
+                 self.epochs, len(batches), sum(batches), self.target_samples)
+
+    def done_share(self, version: int, samples: int) -> float | None:
+        """The share of the run done, 0..1 (None: not known yet)."""
+        if self.steps is not None:
+            return version / self.steps
+        if self.target_samples is not None:
+            return samples / self.target_samples
+        return None
+
+    def reached(self, version: int, samples: int) -> str:
+        """What the run has reached, in the terms of its target."""
+        return f"version {version}" if self.steps is not None else f"{samples} samples"
