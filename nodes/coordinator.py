@@ -618,6 +618,8 @@ class Coordinator:
             decisions = [Drop(member.rank, message.version, DropReason.OUT_OF_RANGE)]
             self._warn(peer, "out_of_range", f"worker {member.rank} pushed a top-k update "
                                              "naming elements the model does not have")
+        elif self._past_its_epochs(member):
+            decisions = [Drop(member.rank, message.version, DropReason.PAST_EPOCHS)]
         else:
             self._not_finite[member.rank] = 0
             decisions = self.strategy.handle(Arrived(member.rank, message.version, now))
@@ -644,7 +646,11 @@ class Coordinator:
                     dropped = reason.value
         if message.state and not dropped:
             self._take_buffers(peer, member.rank, message.state)
-        if dropped:
+        if dropped == DropReason.PAST_EPOCHS.value:
+            # Answered once the run's length is known (_know_length), not computed on again
+            # and again meanwhile: the CPU is the slower workers' now.
+            self._parked[member.rank] = _Parked(peer, message.request, now, True)
+        elif dropped:
             await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
             self.watch.answered(member.rank)
         else:
@@ -778,7 +784,7 @@ class Coordinator:
             await self._apply_locked(decision, held)
 
     async def _apply_locked(self, decision: Apply, held: list[_Held]) -> None:
-        self._length.fix_target(self._ready_batches())
+        await self._know_length()
         started = self._clock.wall()
         await self._update([h.tensors for h in held], decision.scale,
                            loss=sum(h.loss for h in held) / len(held),
@@ -947,6 +953,30 @@ class Coordinator:
         if optimizer is None or self.strategy.rhythm.push is PushKind.WEIGHTS:
             return self.lr
         return float(optimizer.param_groups[0]["lr"])
+
+    def _past_its_epochs(self, member: Member) -> bool:
+        """Under --epochs, while the run's length is not known yet (a shard without len()
+        whose first pass is not over): whether `member` has had --epochs passes of its own
+        shard used. Its updates are dropped then, until the length is known: under async a
+        worker far ahead would otherwise take the run past a length not known yet."""
+        length = self._length
+        if length.steps is not None or length.target_samples is not None or member.batches < 1:
+            return False
+        assert length.epochs is not None
+        return self._positions.get(member.rank, 0) >= length.epochs * member.batches
+
+    async def _know_length(self) -> None:
+        """Fix the run's length once every shard's is known, and answer the updates
+        held back meanwhile (_past_its_epochs)."""
+        if self._length.target_samples is not None or self._length.steps is not None:
+            return
+        self._length.fix_target(self._ready_batches())
+        if self._length.target_samples is not None:
+            await self._unpark([m.rank for m in self._members if self._parked_for_epochs(m)])
+
+    def _parked_for_epochs(self, member: Member) -> bool:
+        parked = self._parked.get(member.rank)
+        return parked is not None and parked.push and not self.strategy.holds_back(member.rank)
 
     def _done_share(self) -> float | None:
         return self._length.done_share(self.version, self.metrics.samples)
@@ -1201,6 +1231,8 @@ class Coordinator:
         else:
             log.log(logging.WARNING if warn else logging.INFO, "%s %s", member.describe(), why)
         await self._check_minimum()  # (as it goes: not at the next tick, trained on meanwhile)
+        if self.state is State.TRAINING:
+            await self._know_length()  # (it may have been the last shard not known)
 
     def status(self) -> Status:
         """What the run and each live worker are doing now (the status table)."""

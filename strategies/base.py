@@ -70,6 +70,9 @@ class DropReason(str, enum.Enum):
     NOT_MEMBER = "not_member"  # the sender is not (or no longer) a training member
     NOT_FINITE = "not_finite"  # holds NaN or infinity
     OUT_OF_RANGE = "out_of_range"  # a sparse (top-k) update names elements the model lacks
+    # --epochs: the worker's own passes are done, and the run's length is not known yet
+    # (a shard without len() whose first pass is not over: nodes.run_length)
+    PAST_EPOCHS = "past_epochs"
 
 
 # Events -------------------------------------------------------------------------------
