@@ -70,7 +70,7 @@ from tensorbus.nodes.fold import Fold, next_to_fold, step_alpha
 from tensorbus.nodes.master import Master, shared_pool, weights_gallery
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
-from tensorbus.nodes.model_buffers import BufferMean
+from tensorbus.nodes.model_buffers import ServedBuffers
 from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
 from tensorbus.nodes.publisher import Publisher
 from tensorbus.nodes.run_length import RunLength
@@ -147,6 +147,8 @@ class Coordinator:
     # never written in place (nodes.master). A relay loads its root's weights into its
     # master through a Link that holds those buffers, so it copies instead (Master.alias).
     _ALIAS = True
+    # The buffers it publishes are its workers' combination (a relay's: its root's).
+    _RELAY = False
 
     def __init__(
         self,
@@ -258,8 +260,7 @@ class Coordinator:
         if config.checkpoint_dir is not None:
             checkpoint.prepare(config.checkpoint_dir)
         # The model's buffers: each worker's newest, and what goes out with the weights.
-        self._buffer_mean = BufferMean(self.flat.model_buffers.layout)
-        self._buffers_out = self.flat.model_buffers.copy()
+        self._buffers = ServedBuffers(self.flat.model_buffers, relay=self._RELAY)
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
                                append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
@@ -316,7 +317,7 @@ class Coordinator:
                 heartbeat_s=self.config.heartbeat_s, metrics=self.metrics, gallery=self._gallery,
                 probe=self._probe, version=lambda: self.version,
                 stopping=lambda: self.state in (State.STOPPING, State.STOPPED),
-                buffers=self._published_buffers,
+                buffers=self._buffers.published,
                 background=lambda c: asyncio.create_task(self._guard(c)))
         return self.endpoint
 
@@ -379,7 +380,7 @@ class Coordinator:
             self.metrics.close(summary)
             return summary
         try:
-            self._refresh_buffers()
+            self._buffers.refresh()
             self._evals.evaluate(self.master, self.metrics)
             evaluation = (figures(self._evaluate, self.model, taken=self.metrics.summary({}))
                           if self._evaluate else {})
@@ -645,7 +646,11 @@ class Coordinator:
                     self._used(member.rank)
                     dropped = reason.value
         if message.state and not dropped:
-            self._take_buffers(peer, member.rank, message.state)
+            try:
+                self._buffers.take(member.rank, message.state)
+            except LayoutError as e:
+                self._warn(peer, "buffers", f"worker {member.rank} sent buffers that are not "
+                                            f"the model's ({e}): they are left out")
         if dropped == DropReason.PAST_EPOCHS.value:
             # Answered once the run's length is known (_know_length), not computed on again
             # and again meanwhile: the CPU is the slower workers' now.
@@ -678,29 +683,6 @@ class Coordinator:
         await self._carry_out(decisions)
         if self.state in (State.STARTING, State.TRAINING):
             await self._check_finite()
-
-    def _take_buffers(self, peer: bytes, rank: int, state: Sequence[Received]) -> None:
-        """Keep a worker's buffers, sent with an update that was taken."""
-        try:
-            self._buffer_mean.take(rank, state)
-        except LayoutError as e:
-            self._warn(peer, "buffers", f"worker {rank} sent buffers that are not the model's "
-                                        f"({e}): they are left out")
-
-    def _refresh_buffers(self) -> None:
-        """Make the model's buffers the combination of the workers' newest, if any came
-        since (nodes.model_buffers)."""
-        combined = self._buffer_mean.combine()
-        if combined is not None:
-            self.flat.model_buffers.load(combined)
-            self._buffers_out = combined
-
-    def _published_buffers(self) -> tuple[torch.Tensor, ...]:
-        """The model's buffers, to go out with its weights (never written afterwards)."""
-        if not self.flat.model_buffers:
-            return ()
-        self._refresh_buffers()
-        return self._buffers_out
 
     async def _check_finite(self) -> None:
         """Fail the run once no version can come of the updates pushed: the last
@@ -838,7 +820,7 @@ class Coordinator:
 
     def _take_eval_point(self) -> None:
         """A copy of the weights as they are now, evaluated after training (nodes.evalpoints)."""
-        self._refresh_buffers()
+        self._buffers.refresh()
         self._evals.take(self.master, self.version, self.metrics.samples, self.metrics.train_s(),
                          self._epochs_done() if self._evals.by_epoch else None)
 
@@ -996,7 +978,7 @@ class Coordinator:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a restarted coordinator needs to go on: tensors and plain values only."""
-        self._refresh_buffers()
+        self._buffers.refresh()
         return {
             "version": self.version,
             "layout": self.flat.layout.digest,
@@ -1057,7 +1039,7 @@ class Coordinator:
         self.flat.load(state["weights"])
         if state.get("model_buffers"):  # (older checkpoints lack them)
             self.flat.model_buffers.load(state["model_buffers"])
-            self._buffers_out = self.flat.model_buffers.copy()
+            self._buffers.loaded()
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         if self._schedule is not None and state.get("scheduler") is not None:
@@ -1218,7 +1200,7 @@ class Coordinator:
                                                   code=RejectCode.UNKNOWN_WORKER.value,
                                                   detail=f"removed: {why}"))
         if lost:
-            self._buffer_mean.forget(member.rank)  # (its statistics are of the past now)
+            self._buffers.forget(member.rank)  # (its statistics are of the past now)
             self.metrics.lost.append(
                 {"rank": member.rank, "version": member.version, "phase": member.phase}
             )

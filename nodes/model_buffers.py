@@ -115,3 +115,59 @@ class BufferMean:
             else:
                 combined.append(stacked.amax(0))
         return tuple(combined)
+
+
+class ServedBuffers:
+    """A coordinator's side of the buffers: its workers' newest (`BufferMean`), and what
+    goes out with its weights.
+
+    At the root that is the workers' combination, which the model's own buffers then hold
+    (for evaluate() and checkpoints). A relay (`relay=True`) publishes the root's instead,
+    which its upstream link loads into its model, and sends its own workers' combination
+    up with its updates (`upstream`).
+    """
+
+    def __init__(self, model: ModelBuffers, *, relay: bool = False) -> None:
+        self.model = model
+        self.relay = relay
+        self._mean = BufferMean(model.layout)
+        self._out = model.copy()  # the root's published buffers (never written again)
+        self._up: Flat = ()  # a relay's workers' combination, as last made
+
+    def take(self, rank: int, received: Sequence[Received]) -> None:
+        """Keep `rank`'s buffers, sent with an update that was taken (LayoutError if they
+        are not the model's)."""
+        self._mean.take(rank, received)
+
+    def forget(self, rank: int) -> None:
+        self._mean.forget(rank)
+
+    def refresh(self) -> None:
+        """At the root: the model's buffers become the workers' combination, if any came
+        since."""
+        if self.relay:
+            return
+        combined = self._mean.combine()
+        if combined is not None:
+            self.model.load(combined)
+            self._out = combined
+
+    def loaded(self) -> None:
+        """The model's buffers were loaded from elsewhere (a checkpoint): publish those."""
+        self._out = self.model.copy()
+
+    def published(self) -> Flat:
+        """What goes out with the weights now."""
+        if not self.model:
+            return ()
+        if self.relay:
+            return self.model.copy()
+        self.refresh()
+        return self._out
+
+    def upstream(self) -> Flat:
+        """A relay's: its workers' combination, to go up with its update."""
+        combined = self._mean.combine()
+        if combined is not None:
+            self._up = combined
+        return self._up

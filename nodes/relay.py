@@ -55,6 +55,7 @@ class Relay(Coordinator):
     """
 
     _ALIAS = False  # its upstream Link loads into the master's buffers: publish copies
+    _RELAY = True  # it publishes its root's buffers, and sends its workers' combination up
 
     def __init__(
         self,
@@ -83,25 +84,10 @@ class Relay(Coordinator):
         self._upstream = Link(upstream, self.flat.layout.shard(0, 1), self.flat.weights, self,
                               request_timeout_s=request_timeout_s, keys=keys,
                               model_buffers=self.flat.model_buffers or None)
-        self._workers_buffers: tuple[torch.Tensor, ...] = ()
         self._upstream_wait = Wait.NEWER
         self._ready: asyncio.Task[Any] | None = None
         self._sent: Tracker | None = None
         self._lost: asyncio.Future[Exception] | None = None
-
-    def _refresh_buffers(self) -> None:
-        """Our model's buffers are the root's (loaded by the upstream link), not a
-        combination of our workers': that goes to the root (`_upstream_buffers`)."""
-
-    def _published_buffers(self) -> tuple[torch.Tensor, ...]:
-        return self.flat.model_buffers.copy() if self.flat.model_buffers else ()
-
-    def _upstream_buffers(self) -> tuple[torch.Tensor, ...]:
-        """The combination of our workers' newest buffers: what our updates carry."""
-        combined = self._buffer_mean.combine()
-        if combined is not None:
-            self._workers_buffers = combined
-        return self._workers_buffers
 
     def _make_optimizer(self, optimizer: OptimizerFactory | None, lr: float,
                         weights_pushed: bool) -> torch.optim.Optimizer | None:
@@ -193,7 +179,7 @@ class Relay(Coordinator):
             self.phase = Phase.PUSHING
             push = Push(sender=self.rank, version=computed_on, clock=self.clock, loss=loss,
                         samples=samples, tensors=self.flat.grads, began=self._clock.wall(),
-                        state=self._upstream_buffers())
+                        state=self._buffers.upstream())
             self.clock += 1
             ack, self._sent = await link.request_tracked(push, patient=True)
             self.phase = Phase.WAITING

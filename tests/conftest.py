@@ -7,6 +7,8 @@
 - `@pytest.mark.exclusive`: a test whose figures depend on having the machine to itself (a
   pace, a redo count) runs while no other test of the session does: the session's test
   processes (pytest-xdist) hold a shared lock for each test, such a test the exclusive one.
+- `@pytest.mark.colocated`: a test that runs `local --colocate` runs while no other such
+  test does (some count the forked workers left by their name).
 - One torch thread per process (the CI machine has 2 cores).
 - A check that the suite leaves no shared-memory segment behind (bus.shared): a file whose
   creator is gone would stay in /dev/shm until the next sweep. Only segments of processes
@@ -89,6 +91,17 @@ def _locked(path: Path, mode: int) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _colocated(request: pytest.FixtureRequest) -> Iterator[None]:
+    """`colocated` tests run one at a time (beside any other test): each forks workers
+    named `tb colocated R`, and some count the ones left by that name."""
+    if request.node.get_closest_marker("colocated") is None:
+        yield
+        return
+    with _locked(_lock_folder() / "colocated", fcntl.LOCK_EX):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,8 @@ def _buffers(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.startswith("1.")}
 
 
-@pytest.mark.parametrize("layout", [[], ["--shards", "2"], ["--colocate"]],
+@pytest.mark.parametrize("layout", [[], ["--shards", "2"],
+                                    pytest.param(["--colocate"], marks=pytest.mark.colocated)],
                          ids=["one coordinator", "two shards", "colocated"])
 def test_the_saved_model_has_the_statistics_training_made(tmp_path: Path, layout: list[str]) -> None:
     saved = tmp_path / "m.pt"

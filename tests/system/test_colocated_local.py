@@ -31,10 +31,25 @@ from test_local import (
 
 from tensorbus.run.options import RunOptions
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.colocated]
 
 CHILD = "tensorbus.run.colocated"  # the module a colocated worker process runs
 FORKED = "tb colocated"  # the name of one forked from `local` (run.children), with its rank
+
+
+def _forked_by(parent: int) -> dict[int, str]:
+    """The workers `parent` forked (run.children), alive: pid -> name."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            name = (stat.parent / "comm").read_text().strip()
+        except OSError:
+            continue
+        state, ppid = text[text.rindex(")") + 2:].split()[:2]
+        if int(ppid) == parent and state not in ("Z", "X") and name.startswith(FORKED):
+            found[int(stat.parent.name)] = name
+    return found
 
 
 def _summary(done: subprocess.CompletedProcess[str]) -> dict:
@@ -76,10 +91,9 @@ def test_a_killed_worker_ends_the_run_in_one_line(tmp_path: Path) -> None:
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_a_step(metrics)
-        running = _left_running(FORKED)
-        assert sorted(line.split(": ")[1] for line in running) == ["tb colocated 1",
-                                                                    "tb colocated 2"]
-        children = [int(line.split(":")[0]) for line in running]
+        running = _forked_by(launcher.pid)
+        assert sorted(running.values()) == ["tb colocated 1", "tb colocated 2"]
+        children = sorted(running)
         subprocess.run(["kill", "-KILL", str(children[-1])], check=False)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 1

@@ -35,17 +35,23 @@ def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[s
 
 
 def _left_running(marker: str) -> list[str]:
-    """The processes whose command line holds `marker`, or whose name (comm) starts with
-    it: a worker forked from its launcher (run.children) keeps the launcher's command line
-    and is named by the launcher."""
+    """The processes whose command line holds `marker`, or, orphaned (their launcher gone),
+    whose name (comm) starts with it: a worker forked from its launcher (run.children)
+    keeps the launcher's command line and is named by the launcher. (By name, only
+    orphans: another test's run, its launcher alive, forks workers of the same name.)"""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             name = Path(f"/proc/{pid}/comm").read_text().strip()
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        if (marker in cmdline or name.startswith(marker)) and int(pid) != os.getpid():
+        fields = stat[stat.rindex(")") + 2:].split()  # state ppid ...
+        orphan = fields[1] == "1"
+        if int(pid) == os.getpid() or fields[0] in ("Z", "X"):
+            continue
+        if marker in cmdline or (orphan and name.startswith(marker)):
             found.append(f"{pid}: {name}: {cmdline}")
     return found
 

@@ -29,7 +29,8 @@ def _score(path: Path) -> float:
     return float(digits.evaluate(model)["accuracy"])
 
 
-@pytest.mark.parametrize("layout", [[], ["--colocate"]], ids=["one coordinator", "colocated"])
+@pytest.mark.parametrize("layout", [[], pytest.param(["--colocate"], marks=pytest.mark.colocated)],
+                         ids=["one coordinator", "colocated"])
 def test_the_saved_and_the_exported_model_score_the_summarys_accuracy(
         tmp_path: Path, layout: list[str]) -> None:
     saved, checkpoints, exported = tmp_path / "model.pt", tmp_path / "ck", tmp_path / "e.pt"

@@ -10,7 +10,7 @@ from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.errors import LayoutError, MalformedHeaderError
 from tensorbus.bus.messages import Ack, Push, Weights
 from tensorbus.nodes.flat import FlatModel
-from tensorbus.nodes.model_buffers import BufferMean, carried
+from tensorbus.nodes.model_buffers import BufferMean, ServedBuffers, carried
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -83,3 +83,23 @@ def test_a_buffer_count_that_does_not_fit_is_refused() -> None:
         header["b"] = bad
         with pytest.raises(MalformedHeaderError, match="'b'"):
             decode([msgpack.packb(header), *frames[1:]])
+
+
+def test_a_root_publishes_its_workers_combination_and_a_relay_its_roots() -> None:
+    root, relay = FlatModel(_model()), FlatModel(_model())
+    served, relayed = ServedBuffers(root.model_buffers), ServedBuffers(relay.model_buffers,
+                                                                       relay=True)
+    first = served.published()
+    assert [t.tolist() for t in first] == [t.tolist() for t in root.model_buffers.flat]
+    pushed = (torch.full((6,), 3.0), torch.tensor([4]))
+    served.take(0, pushed)
+    relayed.take(0, pushed)
+    # The root's model holds the combination, and publishes it.
+    assert served.published()[0].tolist() == [3.0] * 6
+    assert root.model_buffers.flat[0].tolist() == [3.0] * 6
+    # A relay's model keeps the root's (its upstream link loads them): it publishes
+    # those, and sends its workers' combination up.
+    relay.model_buffers.load((torch.full((6,), 7.0), torch.tensor([9])))
+    assert relayed.published()[0].tolist() == [7.0] * 6
+    assert relayed.upstream()[0].tolist() == [3.0] * 6
+    assert relay.model_buffers.flat[0].tolist() == [7.0] * 6
