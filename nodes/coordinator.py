@@ -645,7 +645,7 @@ class Coordinator:
                     self.metrics.worker(member.rank)["dropped"] += 1
                     self._used(member.rank)
                     dropped = reason.value
-        if message.state and not dropped:
+        if message.state and not dropped and not self._over():
             try:
                 self._buffers.take(member.rank, message.state)
             except LayoutError as e:
@@ -959,6 +959,12 @@ class Coordinator:
     def _parked_for_epochs(self, member: Member) -> bool:
         parked = self._parked.get(member.rank)
         return parked is not None and parked.push and not self.strategy.holds_back(member.rank)
+
+    def _over(self) -> bool:
+        """Whether the run has made its last version (a push that comes now is not stepped
+        on, and its buffers, of one forward more, are not taken)."""
+        done = self._done_share()
+        return self.state in (State.STOPPING, State.STOPPED) or (done is not None and done >= 1.0)
 
     def _done_share(self) -> float | None:
         return self._length.done_share(self.version, self.metrics.samples)

@@ -140,6 +140,7 @@ class Link:
         self.layout = shard.layout
         self._weights = weights  # this shard's views of the worker's flat weights
         self.model_buffers = model_buffers
+        self._published_buffers: tuple[torch.Tensor, ...] = ()  # the last loaded, kept
         self._owner = owner
         self._keys = keys
         self._client: ClientTransport | None = None
@@ -284,6 +285,7 @@ class Link:
         """The model's buffers published with these weights, if they came with them."""
         if message.state and self.model_buffers is not None:
             self.model_buffers.load(message.state)
+            self._published_buffers = self.model_buffers.copy()
 
     async def load_shared(self) -> None:
         """Load, here on the loop, the newest whole weights if they came by reference (from
@@ -406,6 +408,9 @@ class Link:
                         "model holds a torn copy of that range): %s", self._owner.rank,
                         self.peer, e)
         self.load_latest()
+        if self._published_buffers and self.model_buffers is not None:
+            # A forward begun on the last version before the stop came moved them on.
+            self.model_buffers.load(self._published_buffers)
 
     def newest(self) -> int:
         if self._chain:
