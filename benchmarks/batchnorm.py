@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,18 +65,13 @@ def one_process(limit: int | None, seed: int, threads: int) -> dict[str, Any]:
 
 def port(limit: int | None, seed: int) -> dict[str, Any]:
     spec = _spec()
-    with tempfile.TemporaryDirectory() as tmp, checkout.cli(ROOT) as (tensorbus, env):
+    with tempfile.TemporaryDirectory() as tmp:
         saved = Path(tmp) / "model.pt"
         length = ["--steps", str(limit)] if limit else ["--epochs", "1"]
-        command = [*tensorbus, "local", SPEC, "--workers", "2", "--batch-size", "32",
-                   "--seed", str(seed), *length, "--save", str(saved), "--threads", "1",
-                   "--json", "--no-progress", "--log-level", "error"]
-        started = time.monotonic()
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=3600, check=False)
-        seconds = time.monotonic() - started
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+        done, seconds = checkout.run_tensorbus(
+            ["local", SPEC, "--workers", "2", "--batch-size", "32", "--seed", str(seed), *length,
+             "--save", str(saved), "--threads", "1", "--json", "--no-progress",
+             "--log-level", "error"])
         summary = json.loads(done.stdout)
         model = spec.model()
         model.load_state_dict(torch.load(saved, weights_only=True))

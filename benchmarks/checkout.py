@@ -12,8 +12,10 @@ tree beside this one.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,3 +40,18 @@ def cli(tree: Path = ROOT) -> Iterator[tuple[list[str], dict[str, str]]]:
         else:
             path, module = [str(tree)], "run"
         yield [sys.executable, "-m", module], {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def run_tensorbus(args: list[str], tree: Path = ROOT, *,
+                  timeout: float = 3600) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run `tree`'s `tensorbus ARGS` to its end (cwd=tree); what it printed and the wall
+    seconds it took. RuntimeError, with the end of its stderr, if it failed."""
+    with cli(tree) as (tensorbus, env):
+        command = [*tensorbus, *args]
+        started = time.monotonic()
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+        seconds = time.monotonic() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+    return done, seconds

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,18 +70,13 @@ def original(epochs: int, limit: int | None, threads: int, seed: int = 1) -> dic
 
 
 def port(epochs: int, limit: int | None, seed: int = 1) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, checkout.cli(ROOT) as (tensorbus, env):
+    with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         length = ["--steps", str(limit)] if limit else ["--epochs", str(epochs)]
-        command = [*tensorbus, "local", SPEC, "--workers", "2", "--batch-size", "32",
-                   "--seed", str(seed), *length, "--metrics", str(metrics), "--threads", "2",
-                   "--no-progress", "--log-level", "error"]
-        started = time.monotonic()
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=3600, check=False)
-        seconds = time.monotonic() - started
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
+        _, seconds = checkout.run_tensorbus(
+            ["local", SPEC, "--workers", "2", "--batch-size", "32", "--seed", str(seed),
+             *length, "--metrics", str(metrics), "--threads", "2", "--no-progress",
+             "--log-level", "error"])
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in records if r["event"] == "step"]
     summary = records[-1]

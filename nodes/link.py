@@ -285,7 +285,12 @@ class Link:
         """The model's buffers published with these weights, if they came with them."""
         if message.state and self.model_buffers is not None:
             self.model_buffers.load(message.state)
-            self._published_buffers = self.model_buffers.copy()
+            if not self._published_buffers:  # (made once, then written over)
+                self._published_buffers = self.model_buffers.copy()
+            else:
+                for kept, loaded in zip(self._published_buffers, self.model_buffers.flat,
+                                        strict=True):
+                    kept.copy_(loaded)
 
     async def load_shared(self) -> None:
         """Load, here on the loop, the newest whole weights if they came by reference (from
