@@ -7,7 +7,7 @@ checkpoint or the new one, never a torn file under a checkpoint's name. Reading 
 `torch.load(weights_only=True)`, which builds only tensors and plain containers, so a
 checkpoint file cannot run code (unlike a pickle).
 
-The state is a plain dict (see `Coordinator.checkpoint_state`); this module only writes,
+The state is a plain dict (see nodes.run_checkpoints); this module only writes,
 finds, reads and prunes files, and checks the format number and the model's layout.
 """
 

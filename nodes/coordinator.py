@@ -13,8 +13,6 @@ nodes.master's; the copies evaluated after training, nodes.evalpoints'.
 from __future__ import annotations
 
 import asyncio
-import enum
-import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -55,8 +53,8 @@ from tensorbus.bus.transport import (
     ZmqServer,
 )
 from tensorbus.nodes import changes as changed
-from tensorbus.nodes import checkpoint
 from tensorbus.nodes.config import CoordinatorConfig
+from tensorbus.nodes.ending import Ending, State
 from tensorbus.nodes.evalpoints import EvalPoints, Evaluate, EvaluateError, figures
 from tensorbus.nodes.failures import (
     Diverged,
@@ -66,16 +64,17 @@ from tensorbus.nodes.failures import (
     TrainingError,
 )
 from tensorbus.nodes.flat import FlatModel
-from tensorbus.nodes.fold import Fold, next_to_fold, step_alpha
 from tensorbus.nodes.master import Master, shared_pool, weights_gallery
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.model_buffers import ServedBuffers
-from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
+from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.nodes.publisher import Publisher
+from tensorbus.nodes.run_checkpoints import RunCheckpoints
 from tensorbus.nodes.run_length import RunLength
 from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
 from tensorbus.nodes.shards import ShardModel
+from tensorbus.nodes.stepping import Stepper, correct_momentum, master_optimizer
 from tensorbus.nodes.watch import Status, Watch
 from tensorbus.strategies.base import (
     Apply,
@@ -99,14 +98,6 @@ log = logging.getLogger("tensorbus.coordinator")
 
 
 
-class State(str, enum.Enum):
-    STARTING = "starting"  # waiting for the first workers
-    TRAINING = "training"
-    STOPPING = "stopping"  # target reached or failed: telling workers to leave
-    STOPPED = "stopped"
-
-
-_SMALL_STEP = 1 << 20  # parameters: a step over at most this many is taken on the loop
 _NOT_A_MEMBER = "not a member: join first (or again, if removed)"
 _DIVERGED_AFTER = 8  # non-finite updates in a row from every worker: the run has diverged
 _UNKNOWN_BUILD = "unknown"  # a build that cannot tell its release (or none said): not judged
@@ -149,6 +140,8 @@ class Coordinator:
     _ALIAS = True
     # The buffers it publishes are its workers' combination (a relay's: its root's).
     _RELAY = False
+    # It steps the master weights with an optimizer (a relay takes means: its root steps).
+    _STEPS = True
 
     def __init__(
         self,
@@ -192,15 +185,12 @@ class Coordinator:
         self.lr = lr  # handed to workers that own their optimizers
         weights_pushed = strategy.rhythm.push is PushKind.WEIGHTS
         self.version = 0
-        self.state = State.STARTING
         self._evaluate = evaluate
         self._on_step = on_step
         if config.compress and weights_pushed:
             raise ValueError(f"compress applies to pushed gradients, and {strategy.name} pushes "
                              "weights: drop it, or choose a strategy that pushes gradients")
         # What pushes must look like: the model's layout, in the compressed dtype if asked.
-        # A step over this few elements takes well under a millisecond (see _update).
-        self._small = sum(b.numel for b in self.flat.layout.buckets) <= _SMALL_STEP
         compression = Compression.parse(config.compress)
         self._wire_layout = compression.wire(self.flat.layout)
         if config.max_workers is not None and config.max_workers < strategy.workers:
@@ -209,7 +199,6 @@ class Coordinator:
         self._members = Membership(config.max_workers or strategy.workers,
                                    first_rank=config.first_rank, world_size=config.world_size)
         self._held: dict[int, _Held] = {}
-        self._fold: Fold | None = None  # the next version, made as its pushes come
         self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
         self._length = RunLength(steps=config.steps, epochs=config.epochs,
                                  batch_size=config.batch_size)
@@ -225,12 +214,17 @@ class Coordinator:
             sets = shared_pool(allocate, self._gallery)
         else:
             sets = SendBuffers(layout.allocate)
-        self.master = Master(self.flat, self._make_optimizer(optimizer, lr, weights_pushed), sets,
-                             compression=compression, weights_pushed=weights_pushed,
-                             alias=self._ALIAS, clip_grad_norm=config.clip_grad_norm)
+        stepped = (master_optimizer(model.parameters(), strategy, optimizer, lr)
+                   if self._STEPS else None)
+        self.master = Master(self.flat, stepped, sets, compression=compression,
+                             weights_pushed=weights_pushed, alias=self._ALIAS,
+                             clip_grad_norm=config.clip_grad_norm)
         if pool is not None:  # every version is made in the given pool's sets, the first too
             self.flat.rebind(self.master.copy())
-        self._correct_momentum()
+        correct_momentum(self.master.optimizer, strategy)
+        self._step_lock = asyncio.Lock()  # one update (or checkpoint) at a time
+        self.stepper = Stepper(self.master, self.flat, step_lock=self._step_lock,
+                               version=lambda: self.version)
         self._schedule = (make_schedule(scheduler, self.master.optimizer)
                           if scheduler is not None and self.master.optimizer is not None
                           and not weights_pushed else None)
@@ -241,46 +235,33 @@ class Coordinator:
         # we offer them, and the segments of theirs we read from.
         self._probe: Probe | None = None
         self._shelf: Shelf | None = None
-        self._done: asyncio.Future[None] | None = None
         self._started_at = 0.0
-        self._stop_deadline = 0.0
         self._not_finite: dict[int, int] = {}  # worker -> non-finite updates in a row
         self._errors: list[str] = []  # why workers left with an error, for the final message
         # Connections that left cleanly (their last beats are not refused), oldest first.
         self._departed: dict[bytes, None] = {}
-        self._positions: dict[int, int] = {}  # rank -> batches of its shard used so far
-        self._step_lock = asyncio.Lock()  # one update (or checkpoint) at a time
-        self._stop_requested: str | None = None
-        self._stop_quietly = False
-        self._stop_at: int | None = None  # the version a requested stop waits for
-        self._stop_timer: asyncio.TimerHandle | None = None
-        self._failure: TrainingError | None = None  # why it failed, raised once workers are told
-        self._background: asyncio.Task[None] | None = None
+        self._background: asyncio.Task[None] | None = None  # a stop under way
         self._warned: dict[tuple[bytes, str], float] = {}  # rate limit of rejection warnings
-        if config.checkpoint_dir is not None:
-            checkpoint.prepare(config.checkpoint_dir)
         # The model's buffers: each worker's newest, and what goes out with the weights.
         self._buffers = ServedBuffers(self.flat.model_buffers, relay=self._RELAY)
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
                                append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
+        self._ending = Ending(clock=clock, stop_timeout_s=config.stop_timeout_s, metrics=self.metrics)
+        self.checkpoints = RunCheckpoints(
+            config.checkpoint_dir, model=model, flat=self.flat, master=self.master,
+            strategy=strategy, schedule=self._schedule, length=self._length,
+            buffers=self._buffers, metrics=self.metrics, watch=self.watch, clock=clock)
+
+    @property
+    def state(self) -> State:
+        """Where the run is (nodes.ending)."""
+        return self._ending.state
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """What steps the master weights (None: a plain average of pushed weights)."""
         return self.master.optimizer
-
-    def _make_optimizer(
-        self, optimizer: OptimizerFactory | None, lr: float, weights_pushed: bool
-    ) -> torch.optim.Optimizer | None:
-        params = self.model.parameters()
-        if not weights_pushed:
-            return make_optimizer(optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)), params)
-        # Workers own the optimizer; here only the optional outer one (None: plain average).
-        outer = self.strategy.outer
-        if outer is None:
-            return None
-        return torch.optim.SGD(params, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
 
     @property
     def endpoint(self) -> str:
@@ -316,7 +297,7 @@ class Coordinator:
                 self.master, self._server, step_lock=self._step_lock, clock=self._clock,
                 heartbeat_s=self.config.heartbeat_s, metrics=self.metrics, gallery=self._gallery,
                 probe=self._probe, version=lambda: self.version,
-                stopping=lambda: self.state in (State.STOPPING, State.STOPPED),
+                stopping=lambda: self._ending.stopping,
                 buffers=self._buffers.published,
                 background=lambda c: asyncio.create_task(self._guard(c)))
         return self.endpoint
@@ -334,11 +315,11 @@ class Coordinator:
             self._gallery.open()
             if self.master.alias:
                 self.flat.rebind(self.master.copy())
-        self._done = asyncio.get_running_loop().create_future()
+        done = self._ending.begin()
         self._started_at = self._clock.monotonic()
         try:
             if self.config.resume:
-                self._resume()
+                self.version = self.checkpoints.resume() or 0
             await self._published.publish()
         except BaseException:
             if self._gallery is not None:
@@ -346,7 +327,7 @@ class Coordinator:
             raise
         tasks = [asyncio.create_task(self._guard(c)) for c in (self._receive(), self._tick())]
         try:
-            await self._done
+            await done
         except BaseException:
             self.metrics.close()
             raise
@@ -365,9 +346,9 @@ class Coordinator:
             if self._gallery is not None:
                 self._gallery.close()
             self.watch.close()
-        if self._failure is not None:
+        if self._ending.failure is not None:
             self.metrics.close()
-            raise self._failure
+            raise self._ending.failure
         if before_evaluate is not None:
             try:
                 await before_evaluate
@@ -399,15 +380,16 @@ class Coordinator:
             raise
         except BaseException as e:  # noqa: BLE001 - handed on to run(), which raises it
             self.metrics.close()
-            if self._done is not None and not self._done.done():
-                self._done.set_exception(e)
+            if self._ending.running:
+                assert self._ending.done is not None
+                self._ending.done.set_exception(e)
 
     async def remove(self, rank: int, why: str) -> bool:
         """Remove a worker known to be dead (its launcher saw it die), without waiting for
         its heartbeats to stop; the strategy goes on without it. False if not running or
         not a member."""
         member = next((m for m in self._members if m.rank == rank), None)
-        if member is None or self._done is None or self._done.done():
+        if member is None or not self._ending.running:
             return False
         await self._depart(member, why, lost=True)
         await self._carry_out(self.strategy.handle(Left(rank, self._clock.monotonic())))
@@ -421,47 +403,19 @@ class Coordinator:
         it is not reached within the stop timeout, stop where it is. `quiet`: a stop that
         is the run's normal end (said at info level, not as a warning). Call it from the
         coordinator's event loop."""
-        if self._stop_requested is not None or self._done is None or self._done.done():
-            return
-        self._stop_requested = why
-        self._stop_quietly = quiet
-        if not quiet:
-            self.metrics.stopped_by = why
-        if at_version is not None and at_version > self.version:
-            log.warning("stop requested (%s): training on to version %d, then stopping",
-                        why, at_version)
-            self._stop_at = at_version
-            self._stop_timer = asyncio.get_running_loop().call_later(
-                self.config.stop_timeout_s, self._stop_now, why)
-            return
-        self._stop_now(why)
+        self._ending.ask(why, version=self.version, at_version=at_version, quiet=quiet,
+                         stop=self._begin_stop)
 
-    def _stop_now(self, why: str) -> None:
-        self._stop_at = None
-        log.log(logging.INFO if self._stop_quietly else logging.WARNING,
-                "stop requested (%s): %s", why,
-                "finishing the update in flight" if self.metrics.trained_from is not None
-                else "stopping before training began")
+    def _begin_stop(self, why: str) -> None:
         task = asyncio.get_running_loop().create_task(self._guard(self._graceful_stop(why)))
         self._background = task  # a reference, so that the task is not collected
 
     async def _graceful_stop(self, why: str) -> None:
         async with self._step_lock:
-            if self.state in (State.STOPPING, State.STOPPED):
+            if self._ending.stopping:
                 return
-            await self._checkpoint()
+            await self.checkpoints.write(self.version)
             await self._stop(f"stop requested: {why}")
-
-    def _enter(self, state: State, why: str) -> None:
-        log.info("%s -> %s: %s", self.state.value, state.value, why)
-        self.state = state
-        if state is State.STOPPING:
-            self._stop_deadline = self._clock.monotonic() + self.config.stop_timeout_s
-            if self._stop_timer is not None:  # stopping anyway: no later stop to begin
-                self._stop_timer.cancel()
-            self.metrics.training_ended()
-        if state is State.STOPPED and self._done is not None and not self._done.done():
-            self._done.set_result(None)
 
     # Receiving ---------------------------------------------------------------------------
 
@@ -503,7 +457,7 @@ class Coordinator:
         member.last_seen = now
         # Stopping, a worker may still fetch the final weights (a Pull) before it leaves.
         if self.state is State.STOPPING and not isinstance(message, Leave | Heartbeat | Pull):
-            await self._reply(peer, self._stop_answer(message.request))
+            await self._reply(peer, self._ending.answer(message.request, self.version))
             return
         match message:
             case Heartbeat(phase=phase, clock=clock, version=version):
@@ -545,7 +499,7 @@ class Coordinator:
 
     async def _join(self, peer: bytes, message: Join, now: float) -> None:
         if self.state is State.STOPPING:
-            await self._reply(peer, self._stop_answer(message.request))
+            await self._reply(peer, self._ending.answer(message.request, self.version))
             return
         if message.build not in ("", _UNKNOWN_BUILD, BUILD) and BUILD != _UNKNOWN_BUILD:
             await self._refuse(
@@ -579,7 +533,7 @@ class Coordinator:
             strategy=self.strategy.name, push=rhythm.push.value, local_steps=rhythm.local_steps,
             wait=rhythm.wait.value, batch_size=self.config.batch_size, pub_port=self._pub_port(),
             heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,
-            position=self._positions.get(admitted.rank, 0), compress=self.config.compress,
+            position=self._length.positions.get(admitted.rank, 0), compress=self.config.compress,
             shared=(self._probe.offer if self._probe is not None and message.shared
                     and Probe.seen(message.shared) else ""), seed=self.config.seed,
             clip_grad_norm=self.config.clip_grad_norm or 0.0,
@@ -599,14 +553,17 @@ class Coordinator:
         copied = tuple(t.clone() if isinstance(t, torch.Tensor) and shelf.holds(t) else t
                        for t in held.tensors)
         self._held[rank] = _Held(copied, held.loss, held.samples)
-        if self._fold is not None and rank in self._fold.ranks:
+        fold = self.stepper.fold
+        if fold is not None and rank in fold.ranks:
             # What it folded from it, it folds again (a non-finite push after it) from the copy.
-            self._fold.updates[self._fold.ranks.index(rank)] = copied
+            fold.updates[fold.ranks.index(rank)] = copied
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
-        fold = self._fold_for(member.rank, message) if math.isfinite(message.loss) else None
+        fold = (self.stepper.fold_for(member.rank, message, quorum=self.strategy.quorum(),
+                                      members=[m.rank for m in self._members])
+                if math.isfinite(message.loss) and not self._ending.stopping else None)
         if fold is not None:
-            finite = await self._fold_in(fold, member.rank, message)
+            finite = await self.stepper.fold_in(fold, member.rank, message)
         else:
             finite = math.isfinite(message.loss) and all(all_finite(t) for t in message.tensors)
         if not finite:
@@ -619,14 +576,14 @@ class Coordinator:
             decisions = [Drop(member.rank, message.version, DropReason.OUT_OF_RANGE)]
             self._warn(peer, "out_of_range", f"worker {member.rank} pushed a top-k update "
                                              "naming elements the model does not have")
-        elif self._past_its_epochs(member):
+        elif self._length.past_its_epochs(member.rank, member.batches):
             decisions = [Drop(member.rank, message.version, DropReason.PAST_EPOCHS)]
         else:
             self._not_finite[member.rank] = 0
             decisions = self.strategy.handle(Arrived(member.rank, message.version, now))
             self.metrics.max_clock_gap = max(self.metrics.max_clock_gap, self.strategy.clock_gap())
         if fold is not None and finite and Keep(member.rank, message.version) not in decisions:
-            self._let_go_of_fold()  # folded, but not taken: the step must not count it
+            self.stepper.let_go_of_fold()  # folded, but not taken: the step must not count it
         self.metrics.worker(member.rank)["pushes"] += 1
         if message.overflows:
             self.metrics.worker(member.rank)["overflows"] = message.overflows
@@ -643,7 +600,7 @@ class Coordinator:
                 case Drop(reason=reason):
                     self.metrics.dropped[reason.value] += 1
                     self.metrics.worker(member.rank)["dropped"] += 1
-                    self._used(member.rank)
+                    self._length.used(member.rank, self.strategy.rhythm.local_steps)
                     dropped = reason.value
         if message.state and not dropped and not self._over():
             try:
@@ -676,8 +633,8 @@ class Coordinator:
                     stepped = True
                 else:
                     self._copy_held(member.rank)
-            if stepped and self.state in (State.STOPPING, State.STOPPED):  # (the last step)
-                await self._reply(peer, self._stop_answer(message.request))
+            if stepped and self._ending.stopping:  # (the last step)
+                await self._reply(peer, self._ending.answer(message.request, self.version))
             else:
                 await self._answer(peer, member, message.request, decisions, now, push=True)
         await self._carry_out(decisions)
@@ -761,7 +718,7 @@ class Coordinator:
     async def _apply(self, decision: Apply) -> None:
         held = [self._held.pop(w) for w in decision.workers]
         async with self._step_lock:
-            if self.state in (State.STOPPING, State.STOPPED):
+            if self._ending.stopping:
                 return  # stopped while this update waited for the one in flight
             await self._apply_locked(decision, held)
 
@@ -783,13 +740,13 @@ class Coordinator:
         samples = sum(h.samples for h in held)
         for w in decision.workers:
             self.metrics.worker(w)["applied"] += 1
-            self._used(w)
+            self._length.used(w, self.strategy.rhythm.local_steps)
         lr = self._lr()  # (the one this version was stepped with)
         self.metrics.step(self.version, loss, samples, decision.workers, staleness, lr=lr)
         if self._schedule is not None:  # (after the samples are counted: epochs are samples)
             self._schedule.after_step(self._epochs_done())
         if self.state is State.STARTING:
-            self._enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
+            self._ending.enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
         started = self._clock.wall()
         await self._published.publish()
         self.watch.span("broadcast", started, version=self.version)
@@ -805,18 +762,15 @@ class Coordinator:
         if self._on_step is not None:
             self._on_step(Progress(self.version, self._length.steps, loss, self.metrics.samples,
                                    self.metrics.wall_s(), done))
-        if self._stop_at is not None and self.version >= self._stop_at:
-            self._stop_at = None
-            if self._stop_timer is not None:
-                self._stop_timer.cancel()
-            await self._checkpoint()
-            await self._stop(f"stop requested: {self._stop_requested}")
+        if self._ending.reached(self.version):
+            await self.checkpoints.write(self.version)
+            await self._stop(f"stop requested: {self._ending.requested}")
         elif done is not None and done >= 1.0:
-            await self._checkpoint()
+            await self.checkpoints.write(self.version)
             await self._stop(f"reached {self._reached()}")
         elif (self.config.checkpoint_every is not None
               and self.version % self.config.checkpoint_every == 0):
-            await self._checkpoint()
+            await self.checkpoints.write(self.version)
 
     def _take_eval_point(self) -> None:
         """A copy of the weights as they are now, evaluated after training (nodes.evalpoints)."""
@@ -824,109 +778,14 @@ class Coordinator:
         self._evals.take(self.master, self.version, self.metrics.samples, self.metrics.train_s(),
                          self._epochs_done() if self._evals.by_epoch else None)
 
-    def _used(self, rank: int) -> None:
-        """A push of `rank`'s was applied or dropped: the `local_steps` batches of its shard
-        it stands for are used, where its data has got to for a restart. (Not before: a
-        push held for the next version when a checkpoint is written is not in it, and its
-        worker computes it again after a resume, as it would have been.)"""
-        self._positions[rank] = self._positions.get(rank, 0) + self.strategy.rhythm.local_steps
-
     async def _update(
         self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int,
         ranks: Sequence[int] = (),
     ) -> None:
         """Make the next version of the weights from these updates: here, one optimizer
-        step, in a thread (a relay, `nodes.relay`, sends their mean upstream instead). A
-        step over few parameters is taken on the loop: shorter than the hop to a thread,
-        it would hold heartbeats back by less than that hop costs.
-
-        The master weights are also the published snapshot (nodes.master): a step that
-        makes the next version from the updates alone (`Master.into_spare`) writes it into
-        a free buffer set, which then becomes the master; any other step writes in place,
-        on a master moved off the snapshot first (`Master.own`). A plain SGD step whose
-        first pushes (of `ranks`, in the step's order) were folded in as they came
-        (nodes.fold) goes on from there."""
-        lr = self.master.plain_lr()
-        fold, self._fold = self._fold, None
-        folded = (fold.folded(self.version, step_alpha(lr, scale, len(updates)), ranks)
-                  if fold is not None and lr is not None else None)
-        if fold is not None and folded is None:
-            self.master.let_go(fold.into)  # it cannot serve this step
-            fold = None
-        into = fold.into if fold is not None else (
-            self.master.spare() if self.master.into_spare(lr) else None)
-        if into is None:
-            self.master.own()
-        step = functools.partial(self.master.step, updates, scale, version=self.version + 1,
-                                 into=into, folded=folded or 0)
-        try:
-            if self._small:
-                step()
-            else:
-                await asyncio.to_thread(step)
-        except Exception:
-            # The step failed and is over: nothing counts what it wrote. (Cancelled, the
-            # thread may still be writing: the set is let go of, not given back.)
-            if into is not None:
-                self.master.let_go(into)
-            raise
-        if into is not None:
-            self.master.adopt(into)
-
-    def _fold_for(self, rank: int, message: Push) -> Fold | None:
-        """The fold to fold this push into now (made if need be), or None: it is not a
-        dense plain SGD step's, of the version being made, next in rank order (nodes.fold)."""
-        lr = self.master.plain_lr()
-        quorum = self.strategy.quorum()
-        if (lr is None or quorum is None or not self.master.into_spare(lr)
-                or message.version != self.version or self.state is State.STOPPING):
-            return None
-        alpha = step_alpha(lr, 1.0, quorum)  # as the step's (sync's scale is 1)
-        if self._fold is not None and (self._fold.version != self.version
-                                       or self._fold.alpha != alpha):
-            self._let_go_of_fold()  # of an older version, or the quorum changed
-        members = [m.rank for m in self._members]
-        if not next_to_fold(self._fold.ranks if self._fold else [], rank, members):
-            return None  # (a set is taken only once there is something to fold into it)
-        if self._fold is None:
-            self._fold = Fold(self.version, alpha, self.master.spare())
-        return self._fold
-
-    async def _fold_in(self, fold: Fold, rank: int, message: Push) -> bool:
-        """Fold a push in (nodes.fold); whether it was finite."""
-        async with self._step_lock:
-            if self._fold is not fold or fold.version != self.version:
-                # A step took the fold (its set may be published now) or let go of it while
-                # we waited for the lock: check the push on its own, as any other.
-                return all(all_finite(t) for t in message.tensors)
-            add = functools.partial(fold.add, self.flat.weights, rank, message.tensors)
-            try:
-                return add() if self._small else await asyncio.to_thread(add)
-            except BaseException:
-                self._fold = None  # (cancelled, the thread may still write it: forgotten)
-                raise
-
-    def _let_go_of_fold(self) -> None:
-        if self._fold is not None:
-            self.master.let_go(self._fold.into)
-            self._fold = None
-
-    def _correct_momentum(self) -> None:
-        """Lower the optimizer's momentum where the strategy's stale updates add their own
-        (async, ssp: strategies.stale), and say so."""
-        optimizer = self.master.optimizer
-        if optimizer is None:
-            return
-        for group in optimizer.param_groups:
-            asked = group.get("momentum")
-            if not isinstance(asked, float | int) or not asked:
-                continue
-            group["momentum"] = self.strategy.corrected_momentum(float(asked))
-            if group["momentum"] != asked:
-                log.info("%s with %d workers: momentum %g -> %g and each gradient scaled by "
-                         "1/%d, for the momentum their stale updates add (momentum correction;"
-                         " --no-momentum-correction turns it off)", self.strategy.name,
-                         self.strategy.workers, asked, group["momentum"], self.strategy.workers)
+        step (nodes.stepping); a relay (nodes.relay) sends their mean upstream instead, and
+        this is the one method it overrides."""
+        await self.stepper.step(updates, scale, ranks=ranks)
 
     def _lr(self) -> float:
         """The learning rate versions are stepped with now (the workers' under average
@@ -936,20 +795,9 @@ class Coordinator:
             return self.lr
         return float(optimizer.param_groups[0]["lr"])
 
-    def _past_its_epochs(self, member: Member) -> bool:
-        """Under --epochs, while the run's length is not known yet (a shard without len()
-        whose first pass is not over): whether `member` has had --epochs passes of its own
-        shard used. Its updates are dropped then, until the length is known: under async a
-        worker far ahead would otherwise take the run past a length not known yet."""
-        length = self._length
-        if length.steps is not None or length.target_samples is not None or member.batches < 1:
-            return False
-        assert length.epochs is not None
-        return self._positions.get(member.rank, 0) >= length.epochs * member.batches
-
     async def _know_length(self) -> None:
         """Fix the run's length once every shard's is known, and answer the updates
-        held back meanwhile (_past_its_epochs)."""
+        held back meanwhile (RunLength.past_its_epochs)."""
         if self._length.target_samples is not None or self._length.steps is not None:
             return
         self._length.fix_target(self._ready_batches())
@@ -964,7 +812,7 @@ class Coordinator:
         """Whether the run has made its last version (a push that comes now is not stepped
         on, and its buffers, of one forward more, are not taken)."""
         done = self._done_share()
-        return self.state in (State.STOPPING, State.STOPPED) or (done is not None and done >= 1.0)
+        return self._ending.stopping or (done is not None and done >= 1.0)
 
     def _done_share(self) -> float | None:
         return self._length.done_share(self.version, self.metrics.samples)
@@ -979,92 +827,6 @@ class Coordinator:
     def _ready_batches(self) -> list[int]:
         """The shard lengths of the workers ready, in batches (-1: not known yet)."""
         return [m.batches for m in self._members if m.ready]
-
-    # Checkpoints -----------------------------------------------------------------------
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """What a restarted coordinator needs to go on: tensors and plain values only."""
-        self._buffers.refresh()
-        return {
-            "version": self.version,
-            "layout": self.flat.layout.digest,
-            "strategy": self.strategy.name,
-            "strategy_state": self.strategy.state(),
-            # (Copied where a buffer is a range of a larger one, a colocated shard's: torch
-            # saves a view's whole storage.)
-            "weights": [w if w.untyped_storage().nbytes() == w.numel() * w.element_size()
-                        else w.clone() for w in self.flat.weights],
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "scheduler": ((self._schedule.scheduler.state_dict(), self._schedule.epochs_stepped)
-                          if self._schedule is not None else None),
-            "samples": self.metrics.samples,
-            "target_samples": self._length.target_samples,
-            "positions": dict(self._positions),
-            # What the positions are counted in: each rank's shard of the data, in batches.
-            "workers": self.strategy.workers,
-            "batch_size": self.config.batch_size,
-            # Where each named parameter lies in `weights`, and the model's buffers: what
-            # `tensorbus export` makes a state_dict of (a shard's range has no names).
-            "names": None if isinstance(self.model, ShardModel) else [
-                [e.name, e.bucket, e.offset, list(e.shape)] for e in self.flat.layout.entries],
-            "buffers": {} if isinstance(self.model, ShardModel) else {
-                name: b.detach().clone() for name, b in self.model.named_buffers()},
-            # The buffers that travel, laid out flat (a shard's too): what a resume loads.
-            "model_buffers": list(self.flat.model_buffers.copy()),
-        }
-
-    async def _checkpoint(self) -> None:
-        """Write a checkpoint if configured. Called under the step lock, so that nothing
-        changes the state while a thread writes it (the loop keeps beating meanwhile)."""
-        directory = self.config.checkpoint_dir
-        if directory is None or self.version == 0:
-            return
-        started, wall = self._clock.monotonic(), self._clock.wall()
-        path = await asyncio.to_thread(checkpoint.save, directory, self.checkpoint_state())
-        self.watch.span("checkpoint", wall, version=self.version)
-        self.metrics.write("checkpoint", version=self.version, path=str(path),
-                           seconds=round(self._clock.monotonic() - started, 6))
-        self.metrics.checkpoint = str(path)
-        log.info("checkpoint of version %d written to %s", self.version, path)
-
-    def _resume(self) -> None:
-        """Load the newest checkpoint of the checkpoint directory, if there is one."""
-        directory = self.config.checkpoint_dir
-        assert directory is not None  # config guarantees it with resume
-        path = checkpoint.newest(directory)
-        if path is None:
-            log.warning("--resume: no checkpoint in %s yet: starting from scratch", directory)
-            return
-        state = checkpoint.load(path, layout=self.flat.layout.digest)
-        if state["strategy"] != self.strategy.name:
-            raise checkpoint.CheckpointError(
-                f"{path} was written by strategy {state['strategy']}, not "
-                f"{self.strategy.name}: resume with --strategy {state['strategy']}, or give "
-                "another --checkpoint-dir")
-        self.master.own()
-        self.flat.load(state["weights"])
-        if state.get("model_buffers"):  # (older checkpoints lack them)
-            self.flat.model_buffers.load(state["model_buffers"])
-            self._buffers.loaded()
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self._schedule is not None and state.get("scheduler") is not None:
-            scheduler_state, self._schedule.epochs_stepped = state["scheduler"]
-            self._schedule.scheduler.load_state_dict(scheduler_state)
-        self.version = state["version"]
-        self.strategy.restore(state["strategy_state"])
-        self.metrics.resumed(self.version, state["samples"], str(path))
-        self._length.target_samples = state["target_samples"]
-        self._positions = dict(state["positions"])
-        was = (state.get("workers", self.strategy.workers),
-               state.get("batch_size", self.config.batch_size))  # (older checkpoints lack them)
-        if was != (self.strategy.workers, self.config.batch_size):
-            log.warning(
-                "resuming a run of %d workers with batches of %d as one of %d with batches of "
-                "%d: each rank's data goes on from where that rank had got to in its old "
-                "shard, so the run does not retrace the one it resumes (same --workers and "
-                "--batch-size would)", *was, self.strategy.workers, self.config.batch_size)
-        log.info("resumed from %s at version %d", path, self.version)
 
     # Sending (versions: nodes.publisher) ---------------------------------------------------
 
@@ -1137,10 +899,10 @@ class Coordinator:
             else:  # all here, and yet no first version
                 await self._fail(NoVersionMade(waited_s=waited, dropped=dict(self.metrics.dropped)))
         await self._check_minimum()
-        if self.state is State.STOPPING and (len(self._members) == 0 or now > self._stop_deadline):
+        if self.state is State.STOPPING and (len(self._members) == 0 or now > self._ending.deadline):
             if len(self._members):
                 log.warning("%d worker(s) did not leave in time", len(self._members))
-            self._enter(State.STOPPED, "workers released")
+            self._ending.enter(State.STOPPED, "workers released")
 
     async def _check_minimum(self) -> None:
         """Fail the run if fewer workers than the minimum are left in it: at once, as the
@@ -1157,36 +919,22 @@ class Coordinator:
         workers to stop (so that none waits to reconnect to a coordinator that is not coming
         back), let them leave, then `run` raises TrainingError with `why` (said once, by
         whoever catches it: the CLI's last line)."""
-        self._failing(why)
+        self._ending.fail(why)
         async with self._step_lock:
-            await self._checkpoint()
+            await self.checkpoints.write(self.version)
             await self._stop(str(why))
-
-    def _failing(self, why: str | TrainingError) -> None:
-        """The run fails, for `why`: the stop that follows says so (`_stop_answer`), and
-        run() raises it."""
-        log.info("failing: %s", why)
-        self._failure = why if isinstance(why, TrainingError) else TrainingError(why)
-
-    def _stop_answer(self, request: int) -> Stop:
-        """What a request is answered with once stopping: a failure said, as broadcast
-        (`_stop`), so that a worker whose answer comes first knows it too."""
-        if self._failure is not None:
-            return Stop(request=request, version=self.version, reason="error",
-                        detail=str(self._failure))
-        return Stop(request=request, version=self.version)
 
     @property
     def failed(self) -> bool:
         """Whether the run is failing or failed (run() raises, or will, TrainingError)."""
-        return self._failure is not None
+        return self._ending.failure is not None
 
     async def _stop(self, why: str) -> None:
         assert self._server is not None
-        self._enter(State.STOPPING, why)
+        self._ending.enter(State.STOPPING, why)
         self.metrics.ended = why
         # A failure is said to the workers too: theirs is not a run that ended well.
-        stop = self._stop_answer(0)
+        stop = self._ending.answer(0, self.version)
         await self._unpark(list(self._parked), stop=stop)
         await self._server.publish(encode(stop))
 

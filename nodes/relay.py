@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from tensorbus.bus.buffers import Tracker, wait_sent
@@ -37,7 +36,7 @@ from tensorbus.bus.messages import Ack, Phase, Push, Ready, RejectCode
 from tensorbus.bus.pieces import Received
 from tensorbus.bus.security import ClientKeys
 from tensorbus.nodes.config import CoordinatorConfig
-from tensorbus.nodes.coordinator import Coordinator, Progress, State
+from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.nodes.link import Link, Stopped
 from tensorbus.nodes.membership import Membership
 from tensorbus.nodes.optimizers import OptimizerFactory
@@ -56,6 +55,7 @@ class Relay(Coordinator):
 
     _ALIAS = False  # its upstream Link loads into the master's buffers: publish copies
     _RELAY = True  # it publishes its root's buffers, and sends its workers' combination up
+    _STEPS = False  # the root steps; here only means are taken
 
     def __init__(
         self,
@@ -88,10 +88,6 @@ class Relay(Coordinator):
         self._ready: asyncio.Task[Any] | None = None
         self._sent: Tracker | None = None
         self._lost: asyncio.Future[Exception] | None = None
-
-    def _make_optimizer(self, optimizer: OptimizerFactory | None, lr: float,
-                        weights_pushed: bool) -> torch.optim.Optimizer | None:
-        return None  # the root steps; here only means are taken
 
     async def run(self, *, before_evaluate: Any = None) -> dict[str, Any]:
         """Join the root, then serve the local workers until the root stops."""
@@ -154,7 +150,7 @@ class Relay(Coordinator):
                 return
             if self._upstream.stopped:
                 failure = self._root_failure()
-                if failure is not None and self.state not in (State.STOPPING, State.STOPPED):
+                if failure is not None and not self._ending.stopping:
                     # The root's failure is the tree's: said to our workers, and raised.
                     await self._fail(failure)
                 else:
@@ -197,7 +193,7 @@ class Relay(Coordinator):
         except Stopped:
             failure = self._root_failure()
             if failure is not None:  # (not _fail: it waits for the step lock we hold)
-                self._failing(failure)
+                self._ending.fail(failure)
             await self._stop(failure or "the root stopped")
 
     def _root_failure(self) -> str | None:

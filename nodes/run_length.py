@@ -1,5 +1,6 @@
 """How long a run is, and how far it has got: `--steps` versions, or `--epochs` passes of
-samples over every worker's shard.
+samples over every worker's shard; and where each rank's data has got to (its position,
+in batches of its shard: where a restarted run's worker goes on from).
 
 An epoch is a pass of samples, not of versions: under async a version is one worker's
 batch, under sync every worker's. Its size is the sum of the shards' lengths (in batches,
@@ -27,6 +28,24 @@ class RunLength:
         self.batch_size = batch_size
         self.target_samples: int | None = None  # from --epochs, once fixed
         self._epoch_samples: int | None = None  # samples in a pass over every shard
+        self.positions: dict[int, int] = {}  # rank -> batches of its shard used so far
+
+    def used(self, rank: int, batches: int) -> None:
+        """A push of `rank`'s standing for `batches` was applied or dropped: those batches
+        of its shard are used. (Not before: a push held for the next version when a
+        checkpoint is written is not in it, and its worker computes it again after a
+        resume, as it would have been.)"""
+        self.positions[rank] = self.positions.get(rank, 0) + batches
+
+    def past_its_epochs(self, rank: int, batches: int) -> bool:
+        """Under --epochs, while the run's length is not known yet (a shard without len()
+        whose first pass is not over): whether `rank`, whose shard has `batches`, has had
+        --epochs passes of it used. Its updates are dropped then, until the length is
+        known: under async a worker far ahead would otherwise take the run past it."""
+        if self.steps is not None or self.target_samples is not None or batches < 1:
+            return False
+        assert self.epochs is not None
+        return self.positions.get(rank, 0) >= self.epochs * batches
 
     def samples_per_epoch(self, batches: Sequence[int]) -> int | None:
         """Samples in one pass over the shards of `batches` (the ready workers'), fixed once

@@ -95,9 +95,10 @@ def test_a_fold_that_a_step_took_while_it_waited_for_the_lock_is_left_alone() ->
         stepping = asyncio.ensure_future(step())
         await asyncio.sleep(0)
         push = Push(sender=0, request=1, version=0, tensors=pushes[0], clock=0, loss=1.0, samples=1)
-        fold_ = coordinator._fold_for(0, push)
+        fold_ = coordinator.stepper.fold_for(0, push, quorum=coordinator.strategy.quorum(),
+                                             members=[0, 1, 2])
         assert fold_ is not None
-        folding = asyncio.ensure_future(coordinator._fold_in(fold_, 0, push))
+        folding = asyncio.ensure_future(coordinator.stepper.fold_in(fold_, 0, push))
         await asyncio.sleep(0)
         lock.release()
         await stepping
@@ -144,7 +145,8 @@ def _train(*, folding: bool, poisoned: int | None) -> tuple[list[torch.Tensor], 
             config=CoordinatorConfig(batch_size=8, steps=8),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         if not folding:
-            coordinator._fold_for = lambda rank, message: None  # type: ignore[method-assign]
+            coordinator.stepper.fold_for = (  # type: ignore[method-assign]
+                lambda rank, message, **_: None)
         endpoint = coordinator.bind()
         summary, *_ = await asyncio.gather(
             coordinator.run(),

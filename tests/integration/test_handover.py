@@ -262,7 +262,7 @@ def test_a_colocated_checkpoint_holds_its_shards_range_only() -> None:
                      config=CoordinatorConfig(batch_size=BATCH, steps=1))
     try:
         assert node.handover is not None and node.handover.holding(node.coordinator.flat.weights)
-        (weights,) = node.coordinator.checkpoint_state()["weights"]
+        (weights,) = node.coordinator.checkpoints.state(node.coordinator.version)["weights"]
         assert weights.untyped_storage().nbytes() == weights.numel() * 4 < node.handover.layout.nbytes
     finally:
         node.hub.close()

@@ -571,10 +571,10 @@ def test_a_coordinator_copies_a_rejoining_workers_held_push_out_of_its_segment()
         pushed = decode(encode(Push(sender=0, version=0, clock=0, loss=1.0, samples=8,
                                     tensors=grads), refer=arena.locate), shelf=coordinator._shelf)
         coordinator._held[0] = _Held(pushed.tensors, 1.0, 8)
-        coordinator._fold = Fold(0, -0.1, coordinator.flat.layout.allocate(), [0], [pushed.tensors])
+        coordinator.stepper.fold = Fold(0, -0.1, coordinator.flat.layout.allocate(), [0], [pushed.tensors])
         coordinator._copy_held(0)
         copied = coordinator._held[0].tensors
-        assert coordinator._fold.updates == [copied]
+        assert coordinator.stepper.fold.updates == [copied]
         assert not any(coordinator._shelf.holds(t) for t in copied)
         for g in grads:
             g.zero_()  # the worker computes again
