@@ -160,8 +160,12 @@ def test_a_worker_cut_off_longer_than_the_timeout_is_dropped_then_rejoins(
         c.coordinator.send_signal(signal.SIGTERM)
         summary, records = c.finish()
         assert summary["stopped_by"] == "SIGTERM"
-        assert [w["rank"] for w in summary["lost"]] == [1]
-        assert summary["per_worker"]["1"]["joins"] == 2, summary["per_worker"]
+        # Lost at least once, and joined once more than lost: a rejoin right after the
+        # restore may meet a connection still in TCP's retransmission back-off, go silent
+        # again, and be dropped and rejoin once more (seen once in CI, on a loaded machine).
+        lost = [w["rank"] for w in summary["lost"]]
+        assert lost and set(lost) == {1}, summary["lost"]
+        assert summary["per_worker"]["1"]["joins"] == len(lost) + 1, summary["per_worker"]
         assert summary["per_worker"]["0"]["joins"] == 1, summary["per_worker"]
         for rank in range(2):
             assert c.workers[rank].wait(timeout=15) == 0, c.logs()
