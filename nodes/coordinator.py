@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,10 +24,9 @@ from torch import nn
 from tensorbus.bus.buffers import SendBuffers, Tracker
 from tensorbus.bus.clock import SYSTEM_CLOCK, Clock
 from tensorbus.bus.codec import decode, encode
-from tensorbus.bus.errors import LayoutError, WireError
+from tensorbus.bus.errors import WireError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import (
-    BUILD,
     Ack,
     Heartbeat,
     Join,
@@ -40,11 +38,9 @@ from tensorbus.bus.messages import (
     Ready,
     Reject,
     RejectCode,
-    Stop,
     Weights,
-    Welcome,
 )
-from tensorbus.bus.pieces import Received, all_finite
+from tensorbus.bus.pieces import Received
 from tensorbus.bus.shared import Gallery, Probe, SharedTensorError, Shelf, sweep
 from tensorbus.bus.transport import (
     Hub,
@@ -52,7 +48,8 @@ from tensorbus.bus.transport import (
     ServerTransport,
     ZmqServer,
 )
-from tensorbus.nodes import changes as changed
+from tensorbus.nodes import admission
+from tensorbus.nodes.admission import Rejections
 from tensorbus.nodes.config import CoordinatorConfig
 from tensorbus.nodes.ending import Ending, State
 from tensorbus.nodes.evalpoints import EvalPoints, Evaluate, EvaluateError, figures
@@ -64,11 +61,13 @@ from tensorbus.nodes.failures import (
     TrainingError,
 )
 from tensorbus.nodes.flat import FlatModel
+from tensorbus.nodes.intake import DIVERGED_AFTER, Held, Intake
 from tensorbus.nodes.master import Master, shared_pool, weights_gallery
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.model_buffers import ServedBuffers
 from tensorbus.nodes.optimizers import OptimizerFactory
+from tensorbus.nodes.parking import Parking
 from tensorbus.nodes.publisher import Publisher
 from tensorbus.nodes.run_checkpoints import RunCheckpoints
 from tensorbus.nodes.run_length import RunLength
@@ -78,13 +77,10 @@ from tensorbus.nodes.stepping import Stepper, correct_momentum, master_optimizer
 from tensorbus.nodes.watch import Status, Watch
 from tensorbus.strategies.base import (
     Apply,
-    Arrived,
     Decision,
-    Drop,
     DropReason,
     Hold,
     Joined,
-    Keep,
     Left,
     PushKind,
     Release,
@@ -98,9 +94,6 @@ log = logging.getLogger("tensorbus.coordinator")
 
 
 
-_NOT_A_MEMBER = "not a member: join first (or again, if removed)"
-_DIVERGED_AFTER = 8  # non-finite updates in a row from every worker: the run has diverged
-_UNKNOWN_BUILD = "unknown"  # a build that cannot tell its release (or none said): not judged
 
 # A worker's reported phase, as the status table names it (a held push is "staleness").
 _STATES = {"waiting": "barrier"}
@@ -114,23 +107,6 @@ class Progress:
     samples: int
     wall_s: float
     done: float | None = None  # the share of the run done, 0..1, when known
-
-
-@dataclass
-class _Held:
-    tensors: tuple[Received, ...]  # views into received frames; they keep the frames alive
-    loss: float
-    samples: int
-
-
-@dataclass
-class _Parked:
-    """A request whose answer the strategy holds back (a Ready at the gate, a Push in ssp)."""
-
-    peer: bytes
-    request: int
-    since: float
-    push: bool  # a held Push counts as time the worker waited for others
 
 
 class Coordinator:
@@ -198,8 +174,6 @@ class Coordinator:
                              "workers the run starts with")
         self._members = Membership(config.max_workers or strategy.workers,
                                    first_rank=config.first_rank, world_size=config.world_size)
-        self._held: dict[int, _Held] = {}
-        self._parked: dict[int, _Parked] = {}  # rank -> its request held back by the strategy
         self._length = RunLength(steps=config.steps, epochs=config.epochs,
                                  batch_size=config.batch_size)
         self._evals = EvalPoints(config.eval_every_s, evaluate,
@@ -236,17 +210,18 @@ class Coordinator:
         self._probe: Probe | None = None
         self._shelf: Shelf | None = None
         self._started_at = 0.0
-        self._not_finite: dict[int, int] = {}  # worker -> non-finite updates in a row
         self._errors: list[str] = []  # why workers left with an error, for the final message
-        # Connections that left cleanly (their last beats are not refused), oldest first.
-        self._departed: dict[bytes, None] = {}
         self._background: asyncio.Task[None] | None = None  # a stop under way
-        self._warned: dict[tuple[bytes, str], float] = {}  # rate limit of rejection warnings
         # The model's buffers: each worker's newest, and what goes out with the weights.
         self._buffers = ServedBuffers(self.flat.model_buffers, relay=self._RELAY)
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
                                append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
+        self._rejections = Rejections(self.metrics, clock, workers=strategy.workers)
+        self._parking = Parking(self._reply, metrics=self.metrics, watch=self.watch, clock=clock)
+        self._intake = Intake(stepper=self.stepper, strategy=strategy, length=self._length,
+                              metrics=self.metrics, watch=self.watch, buffers=self._buffers,
+                              rejections=self._rejections, clock=clock)
         self._ending = Ending(clock=clock, stop_timeout_s=config.stop_timeout_s, metrics=self.metrics)
         self.checkpoints = RunCheckpoints(
             config.checkpoint_dir, model=model, flat=self.flat, master=self.master,
@@ -433,9 +408,9 @@ class Coordinator:
                 if isinstance(e, SharedTensorError) and not member:
                     # A worker removed (silent for too long) that pushes by reference: told
                     # to join again, as one that pushes bytes is (see _dispatch).
-                    code, detail = RejectCode.UNKNOWN_WORKER, _NOT_A_MEMBER
-                self.metrics.rejected[code.value] += 1
-                self._warn(peer, code.value, f"rejected a message from {self._name(peer)}: {e}")
+                    code, detail = RejectCode.UNKNOWN_WORKER, admission.NOT_A_MEMBER
+                self._rejections.count(peer, code.value,
+                                       f"rejected a message from {self._name(peer)}: {e}")
                 await self._reply(peer, Reject(request=e.request, code=code.value, detail=detail))
                 continue
             await self._dispatch(peer, message)
@@ -450,9 +425,9 @@ class Coordinator:
             return
         member = self._members.get(peer)
         if member is None or member.rank != message.sender:
-            if peer in self._departed and isinstance(message, Heartbeat | Leave):
+            if self._rejections.departed(peer) and isinstance(message, Heartbeat | Leave):
                 return  # beats a worker sent before its Leave was taken
-            await self._refuse(peer, message, RejectCode.UNKNOWN_WORKER, _NOT_A_MEMBER)
+            await self._refuse(peer, message, RejectCode.UNKNOWN_WORKER, admission.NOT_A_MEMBER)
             return
         member.last_seen = now
         # Stopping, a worker may still fetch the final weights (a Pull) before it leaves.
@@ -487,7 +462,7 @@ class Coordinator:
                     await self._published.send(peer, Weights(request=message.request))
             case Leave(reason=reason, detail=detail):
                 await self._reply(peer, Ack(request=message.request, version=self.version))
-                self._departed[peer] = None
+                self._rejections.left(peer)
                 if reason == "error":  # (before it departs: a failure below the minimum says it)
                     self._errors.append(f"worker {member.rank}: {detail}")
                 # (An error is said by the run's failure, or its worker; a normal end is not news.)
@@ -501,23 +476,9 @@ class Coordinator:
         if self.state is State.STOPPING:
             await self._reply(peer, self._ending.answer(message.request, self.version))
             return
-        if message.build not in ("", _UNKNOWN_BUILD, BUILD) and BUILD != _UNKNOWN_BUILD:
-            await self._refuse(
-                peer, message, RejectCode.BUILD,
-                f"the worker runs tensorbus {message.build}, the coordinator {BUILD}: install "
-                "the same release on both",
-            )
-            return
-        if message.layout != self.flat.layout.digest:
-            if isinstance(self.model, ShardModel):
-                detail = (f"this coordinator is shard {self.model.index} of {self.model.count} "
-                          f"(layout {self.flat.layout.digest}) and the worker asked for layout "
-                          f"{message.layout}: give the worker every shard's address in shard "
-                          "order (--connect ADDR0,ADDR1,...), and the same SPEC everywhere")
-            else:
-                detail = (f"worker model layout {message.layout} differs from the coordinator's "
-                          f"{self.flat.layout.digest}: both must load the same SPEC")
-            await self._refuse(peer, message, RejectCode.LAYOUT, detail)
+        refused = admission.refusal(message, layout=self.flat.layout.digest, model=self.model)
+        if refused is not None:
+            await self._refuse(peer, message, refused.code, refused.detail)
             return
         again = self._members.get(peer) is not None  # a repeated Join (a retry): no-op
         admitted = self._members.join(peer, message.rank, now)
@@ -527,91 +488,23 @@ class Coordinator:
         if not again:
             log.info("worker %d joined (%s, build %s)", admitted.rank, self._name(peer), message.build)
             self.metrics.worker(admitted.rank)["joins"] += 1
-        rhythm = self.strategy.rhythm
-        welcome = Welcome(
-            request=message.request, rank=admitted.rank, world_size=self._members.world_size,
-            strategy=self.strategy.name, push=rhythm.push.value, local_steps=rhythm.local_steps,
-            wait=rhythm.wait.value, batch_size=self.config.batch_size, pub_port=self._pub_port(),
-            heartbeat_s=self.config.heartbeat_s, timeout_s=self.config.timeout_s, lr=self.lr,
-            position=self._length.positions.get(admitted.rank, 0), compress=self.config.compress,
-            shared=(self._probe.offer if self._probe is not None and message.shared
-                    and Probe.seen(message.shared) else ""), seed=self.config.seed,
-            clip_grad_norm=self.config.clip_grad_norm or 0.0,
-            precision=self.config.precision,
-        )
-        self._copy_held(admitted.rank)
+        welcome = admission.welcome(
+            message, admitted.rank, strategy=self.strategy, config=self.config,
+            world_size=self._members.world_size, pub_port=self._pub_port(), lr=self.lr,
+            position=self._length.positions.get(admitted.rank, 0), probe=self._probe)
+        self._intake.copy_held(admitted.rank, self._shelf)
         await self._published.refresh()
         await self._published.send(peer, welcome)
 
-    def _copy_held(self, rank: int) -> None:
-        """Copy `rank`'s held push out of its shared memory, if it lies there: a worker that
-        joins again computes before the step that holds its push (bus.shared, Ownership)."""
-        held, shelf = self._held.get(rank), self._shelf
-        if held is None or shelf is None or not any(map(shelf.holds, held.tensors)):
-            return
-        # (Only what lies in its segment: frames are ours already.)
-        copied = tuple(t.clone() if isinstance(t, torch.Tensor) and shelf.holds(t) else t
-                       for t in held.tensors)
-        self._held[rank] = _Held(copied, held.loss, held.samples)
-        fold = self.stepper.fold
-        if fold is not None and rank in fold.ranks:
-            # What it folded from it, it folds again (a non-finite push after it) from the copy.
-            fold.updates[fold.ranks.index(rank)] = copied
-
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
-        fold = (self.stepper.fold_for(member.rank, message, quorum=self.strategy.quorum(),
-                                      members=[m.rank for m in self._members])
-                if math.isfinite(message.loss) and not self._ending.stopping else None)
-        if fold is not None:
-            finite = await self.stepper.fold_in(fold, member.rank, message)
-        else:
-            finite = math.isfinite(message.loss) and all(all_finite(t) for t in message.tensors)
-        if not finite:
-            decisions: list[Decision] = [Drop(member.rank, message.version, DropReason.NOT_FINITE)]
-            self._not_finite[member.rank] = self._not_finite.get(member.rank, 0) + 1
-            self._warn(peer, "not_finite", f"worker {member.rank} pushed a non-finite update "
-                                           f"on version {message.version}")
-        elif (self.master.compression.topk is not None
-              and changed.out_of_range(self.flat.layout, message.tensors)):
-            decisions = [Drop(member.rank, message.version, DropReason.OUT_OF_RANGE)]
-            self._warn(peer, "out_of_range", f"worker {member.rank} pushed a top-k update "
-                                             "naming elements the model does not have")
-        elif self._length.past_its_epochs(member.rank, member.batches):
-            decisions = [Drop(member.rank, message.version, DropReason.PAST_EPOCHS)]
-        else:
-            self._not_finite[member.rank] = 0
-            decisions = self.strategy.handle(Arrived(member.rank, message.version, now))
-            self.metrics.max_clock_gap = max(self.metrics.max_clock_gap, self.strategy.clock_gap())
-        if fold is not None and finite and Keep(member.rank, message.version) not in decisions:
-            self.stepper.let_go_of_fold()  # folded, but not taken: the step must not count it
-        self.metrics.worker(member.rank)["pushes"] += 1
-        if message.overflows:
-            self.metrics.worker(member.rank)["overflows"] = message.overflows
-        by_reference = bool(self._shelf is not None and message.tensors
-                             and self._shelf.holds(message.tensors[0]))
-        if by_reference:
-            self.metrics.worker(member.rank)["by_reference"] += 1
-        self.watch.pushed(member.rank, message, self._clock.wall())
-        dropped = ""
-        for decision in decisions:
-            match decision:
-                case Keep(worker=worker):
-                    self._held[worker] = _Held(message.tensors, message.loss, message.samples)
-                case Drop(reason=reason):
-                    self.metrics.dropped[reason.value] += 1
-                    self.metrics.worker(member.rank)["dropped"] += 1
-                    self._length.used(member.rank, self.strategy.rhythm.local_steps)
-                    dropped = reason.value
-        if message.state and not dropped and not self._over():
-            try:
-                self._buffers.take(member.rank, message.state)
-            except LayoutError as e:
-                self._warn(peer, "buffers", f"worker {member.rank} sent buffers that are not "
-                                            f"the model's ({e}): they are left out")
+        taken = await self._intake.take(
+            peer, member, message, now, members=[m.rank for m in self._members],
+            shelf=self._shelf, stopping=self._ending.stopping, over=self._over)
+        decisions, dropped = taken.decisions, taken.dropped
         if dropped == DropReason.PAST_EPOCHS.value:
             # Answered once the run's length is known (_know_length), not computed on again
             # and again meanwhile: the CPU is the slower workers' now.
-            self._parked[member.rank] = _Parked(peer, message.request, now, True)
+            self._parking.park(member.rank, peer, message.request, now, push=True)
         elif dropped:
             await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
             self.watch.answered(member.rank)
@@ -623,7 +516,7 @@ class Coordinator:
             # that takes the push, or, kept for a later one, once copied out. (Ssp's Hold
             # stays: the answer, after the step, still waits for the slowest.)
             stepped = False
-            if by_reference and self.strategy.rhythm.wait is not Wait.NEWER:
+            if taken.by_reference and self.strategy.rhythm.wait is not Wait.NEWER:
                 if any(isinstance(d, Apply) and member.rank in d.workers for d in decisions):
                     await self._carry_out(decisions)
                     # (Held still, unless released meanwhile: a member left while the step
@@ -632,7 +525,7 @@ class Coordinator:
                                  and self.strategy.holds_back(d.worker)]
                     stepped = True
                 else:
-                    self._copy_held(member.rank)
+                    self._intake.copy_held(member.rank, self._shelf)
             if stepped and self._ending.stopping:  # (the last step)
                 await self._reply(peer, self._ending.answer(message.request, self.version))
             else:
@@ -642,18 +535,14 @@ class Coordinator:
             await self._check_finite()
 
     async def _check_finite(self) -> None:
-        """Fail the run once no version can come of the updates pushed: the last
-        _DIVERGED_AFTER of every worker's were not finite, or of every worker's that the
-        others wait on (at sync's barrier with a finite update, or held by ssp's bound):
-        those never push again until a version comes, so their count would never rise."""
-        bad = sorted(m.rank for m in self._members
-                     if self._not_finite.get(m.rank, 0) >= _DIVERGED_AFTER)
-        waiting = sorted(m.rank for m in self._members if m.rank not in bad
-                         and (m.rank in self._held or m.rank in self._parked))
-        if not bad or len(bad) + len(waiting) < len(self._members):
+        """Fail the run once no version can come of the updates pushed (Intake.diverged)."""
+        diverged = self._intake.diverged((m.rank for m in self._members),
+                                         lambda rank: rank in self._parking)
+        if diverged is None:
             return
+        bad, waiting = diverged
         await self._fail(Diverged(
-            ranks=tuple(bad), window=_DIVERGED_AFTER, waiting=tuple(waiting),
+            ranks=bad, window=DIVERGED_AFTER, waiting=waiting,
             version=self.version if self.state is State.TRAINING else None,
             lr="the lr of the SPEC's optimizer()" if self._own_optimizer else "--lr",
             remedies=self.strategy.remedies()))
@@ -664,7 +553,7 @@ class Coordinator:
     ) -> None:
         """Acknowledge a request now, or park it if the strategy holds its sender back."""
         if Hold(member.rank) in decisions:
-            self._parked[member.rank] = _Parked(peer, request, now, push)
+            self._parking.park(member.rank, peer, request, now, push=push)
         else:
             await self._reply(peer, Ack(request=request, version=self.version))
             if push:
@@ -673,21 +562,6 @@ class Coordinator:
                 # sync and average wait for the next version; the others compute on.
                 waits = self.strategy.rhythm.wait is Wait.NEWER
                 member.phase = Phase.WAITING.value if waits else Phase.COMPUTING.value
-
-    async def _unpark(self, workers: Iterable[int], *, stop: Stop | None = None) -> None:
-        """Answer the requests of `workers` held back: with an Ack, or with `stop`."""
-        now = self._clock.monotonic()
-        for rank in workers:
-            parked = self._parked.pop(rank, None)
-            if parked is None:
-                continue  # it left meanwhile
-            held_s = now - parked.since
-            if parked.push:
-                self.metrics.worker(rank)["held_s"] += held_s
-                self.watch.answered(rank, held_since=self._clock.wall() - held_s)
-            answer: Message = (replace(stop, request=parked.request) if stop is not None
-                               else Ack(request=parked.request, version=self.version, held_s=held_s))
-            await self._reply(parked.peer, answer)
 
     # Carrying out decisions ----------------------------------------------------------------
 
@@ -703,7 +577,7 @@ class Coordinator:
                         await self._stop(f"reached {self._reached()} before this start "
                                          "(resumed from the end of a run)")
                         return
-                    await self._unpark(workers)
+                    await self._parking.release(workers, version=self.version)
                     if self.metrics.trained_from is None and self.strategy.started:
                         self.metrics.training_started()
                         if self.metrics.unused:
@@ -716,13 +590,13 @@ class Coordinator:
                     log.warning("version %d has waited %.1f s for %s", version, waited, names or "joiners")
 
     async def _apply(self, decision: Apply) -> None:
-        held = [self._held.pop(w) for w in decision.workers]
+        held = [self._intake.held.pop(w) for w in decision.workers]
         async with self._step_lock:
             if self._ending.stopping:
                 return  # stopped while this update waited for the one in flight
             await self._apply_locked(decision, held)
 
-    async def _apply_locked(self, decision: Apply, held: list[_Held]) -> None:
+    async def _apply_locked(self, decision: Apply, held: list[Held]) -> None:
         await self._know_length()
         started = self._clock.wall()
         await self._update([h.tensors for h in held], decision.scale,
@@ -802,10 +676,11 @@ class Coordinator:
             return
         self._length.fix_target(self._ready_batches())
         if self._length.target_samples is not None:
-            await self._unpark([m.rank for m in self._members if self._parked_for_epochs(m)])
+            await self._parking.release([m.rank for m in self._members if self._parked_for_epochs(m)],
+                                        version=self.version)
 
     def _parked_for_epochs(self, member: Member) -> bool:
-        parked = self._parked.get(member.rank)
+        parked = self._parking.get(member.rank)
         return parked is not None and parked.push and not self.strategy.holds_back(member.rank)
 
     def _over(self) -> bool:
@@ -840,18 +715,9 @@ class Coordinator:
         return await self._server.send(peer, encode(message))
 
     async def _refuse(self, peer: bytes, message: Message, code: RejectCode, detail: str) -> None:
-        self.metrics.rejected[code.value] += 1
-        self._warn(peer, code.value, f"refused {message.KIND.name} from {self._name(peer)}: "
-                                     f"{code.value}: {detail}")
+        self._rejections.count(peer, code.value, f"refused {message.KIND.name} from "
+                                                 f"{self._name(peer)}: {code.value}: {detail}")
         await self._reply(peer, Reject(request=message.request, code=code.value, detail=detail))
-
-    def _warn(self, peer: bytes, code: str, text: str) -> None:
-        """Log a rejection, at most once a peer, code and 10 s: a hostile or confused peer
-        must not flood the log (every rejection is counted in the summary anyway)."""
-        now = self._clock.monotonic()
-        if now - self._warned.get((peer, code), -math.inf) >= 10.0:
-            self._warned[(peer, code)] = now
-            log.warning("%s (further ones like it from this peer: counted, not logged, for 10 s)", text)
 
     # Time ----------------------------------------------------------------------------------
 
@@ -865,28 +731,9 @@ class Coordinator:
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))
-            self._check_refused()
+            self._rejections.handshakes(self._server.rejected)
             await self._check_phase(now)
-            self._forget(now)
-
-    def _check_refused(self) -> None:
-        """Say connections refused for their keys, as they come (a worker started without
-        --keys, or with a pair this coordinator does not hold, is told nothing)."""
-        assert self._server is not None
-        refused = self._server.rejected
-        if refused > self.metrics.rejected["handshake"]:
-            log.warning("refused %d connection(s) for their keys (%d in all): this "
-                        "coordinator admits only the workers whose public keys are in "
-                        "--keys DIR/authorized; start each with --keys DIR --key-name NAME",
-                        refused - self.metrics.rejected["handshake"], refused)
-            self.metrics.rejected["handshake"] = refused
-
-    def _forget(self, now: float) -> None:
-        """Bound what strangers can make us remember: connections come and go (each
-        reconnection is a new identity), and these maps must not grow with them."""
-        self._warned = {k: t for k, t in self._warned.items() if now - t < 10.0}
-        while len(self._departed) > 4 * self.strategy.workers + 64:
-            self._departed.pop(next(iter(self._departed)))
+            self._rejections.forget(now)
 
     async def _check_phase(self, now: float) -> None:
         if self.state is State.STARTING and now - self._started_at > self.config.join_timeout_s:
@@ -935,7 +782,7 @@ class Coordinator:
         self.metrics.ended = why
         # A failure is said to the workers too: theirs is not a run that ended well.
         stop = self._ending.answer(0, self.version)
-        await self._unpark(list(self._parked), stop=stop)
+        await self._parking.release(self._parking, version=self.version, stop=stop)
         await self._server.publish(encode(stop))
 
     async def _depart(self, member: Member, why: str, *, lost: bool = False,
@@ -946,13 +793,7 @@ class Coordinator:
         # A departed worker's kept update stays held: the strategy may still count it.
         self._members.remove(member)
         self.watch.left(member.rank)
-        parked = self._parked.pop(member.rank, None)
-        if parked is not None:
-            # It may still be alive and waiting (removed for silence, say): never leave it
-            # waiting on an answer that will not come while our heartbeats keep it patient.
-            await self._reply(parked.peer, Reject(request=parked.request,
-                                                  code=RejectCode.UNKNOWN_WORKER.value,
-                                                  detail=f"removed: {why}"))
+        await self._parking.removed(member.rank, why)
         if lost:
             self._buffers.forget(member.rank)  # (its statistics are of the past now)
             self.metrics.lost.append(
@@ -975,7 +816,7 @@ class Coordinator:
         now = self._clock.monotonic()
         rows = []
         for member in sorted(self._members, key=lambda m: m.rank):
-            parked = self._parked.get(member.rank)
+            parked = self._parking.get(member.rank)
             if parked is not None:
                 state = "staleness" if parked.push else "start gate"
             else:

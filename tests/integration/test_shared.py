@@ -556,8 +556,8 @@ def test_a_coordinator_copies_a_rejoining_workers_held_push_out_of_its_segment()
     """Kept for a step that waits for a straggler, a push by reference would be rewritten by
     its worker's next backward once it joins again: the coordinator copies it first, and
     the fold's record of it (which a NaN push after it folds again from) too."""
-    from tensorbus.nodes.coordinator import _Held
     from tensorbus.nodes.fold import Fold
+    from tensorbus.nodes.intake import Held
 
     coordinator = Coordinator(model=_model(), strategy=Sync(workers=2),
                               config=CoordinatorConfig(steps=1))
@@ -570,10 +570,10 @@ def test_a_coordinator_copies_a_rejoining_workers_held_push_out_of_its_segment()
         assert coordinator._shelf is not None
         pushed = decode(encode(Push(sender=0, version=0, clock=0, loss=1.0, samples=8,
                                     tensors=grads), refer=arena.locate), shelf=coordinator._shelf)
-        coordinator._held[0] = _Held(pushed.tensors, 1.0, 8)
+        coordinator._intake.held[0] = Held(pushed.tensors, 1.0, 8)
         coordinator.stepper.fold = Fold(0, -0.1, coordinator.flat.layout.allocate(), [0], [pushed.tensors])
-        coordinator._copy_held(0)
-        copied = coordinator._held[0].tensors
+        coordinator._intake.copy_held(0, coordinator._shelf)
+        copied = coordinator._intake.held[0].tensors
         assert coordinator.stepper.fold.updates == [copied]
         assert not any(coordinator._shelf.holds(t) for t in copied)
         for g in grads:
@@ -593,7 +593,7 @@ def test_a_coordinator_that_cannot_read_the_workers_probe_gets_bytes(
     class Blind(Probe):
         seen = staticmethod(lambda offer: False)
 
-    monkeypatch.setattr("tensorbus.nodes.coordinator.Probe", Blind)
+    monkeypatch.setattr("tensorbus.nodes.admission.Probe", Blind)
     _, summary = _train(Sync(workers=2), shared=True)
     assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
 

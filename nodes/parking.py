@@ -1,0 +1,73 @@
+"""Requests whose answers a coordinator's strategy holds back: a Ready at the start gate,
+a Push under ssp's staleness bound, or one past its epochs while the run's length is not
+known yet. Each is parked here, by rank, and answered when released (an Ack, saying how
+long it was held), when the run stops (the Stop), or when its worker is removed (a
+Reject, so that a worker still alive never waits on an answer that will not come).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+
+from tensorbus.bus.buffers import Tracker
+from tensorbus.bus.clock import Clock
+from tensorbus.bus.messages import Ack, Message, Reject, RejectCode, Stop
+from tensorbus.nodes.metrics import Metrics
+from tensorbus.nodes.watch import Watch
+
+Reply = Callable[[bytes, Message], Awaitable[Tracker | None]]
+
+
+@dataclass
+class Parked:
+    peer: bytes
+    request: int
+    since: float
+    push: bool  # a held Push counts as time the worker waited for others
+
+
+class Parking:
+    def __init__(self, reply: Reply, *, metrics: Metrics, watch: Watch, clock: Clock) -> None:
+        self._reply = reply
+        self._metrics = metrics
+        self._watch = watch
+        self._clock = clock
+        self._parked: dict[int, Parked] = {}  # rank -> its request held back
+
+    def park(self, rank: int, peer: bytes, request: int, now: float, *, push: bool) -> None:
+        self._parked[rank] = Parked(peer, request, now, push)
+
+    def get(self, rank: int) -> Parked | None:
+        return self._parked.get(rank)
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self._parked
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._parked))
+
+    async def release(self, ranks: Iterable[int], *, version: int, stop: Stop | None = None) -> None:
+        """Answer the requests of `ranks` held back: with an Ack of `version`, or `stop`."""
+        now = self._clock.monotonic()
+        for rank in ranks:
+            parked = self._parked.pop(rank, None)
+            if parked is None:
+                continue  # it left meanwhile
+            held_s = now - parked.since
+            if parked.push:
+                self._metrics.worker(rank)["held_s"] += held_s
+                self._watch.answered(rank, held_since=self._clock.wall() - held_s)
+            answer: Message = (replace(stop, request=parked.request) if stop is not None
+                               else Ack(request=parked.request, version=version, held_s=held_s))
+            await self._reply(parked.peer, answer)
+
+    async def removed(self, rank: int, why: str) -> None:
+        """`rank` is no longer a member: its parked request, if any, is refused. It may
+        still be alive and waiting (removed for silence, say), and our heartbeats would
+        keep it patient."""
+        parked = self._parked.pop(rank, None)
+        if parked is not None:
+            await self._reply(parked.peer, Reject(request=parked.request,
+                                                  code=RejectCode.UNKNOWN_WORKER.value,
+                                                  detail=f"removed: {why}"))
