@@ -6,8 +6,21 @@ the events it sees and carries out the decisions it gets back. Two tasks run on 
 silent workers, and notices the end of a phase. Optimizer steps run in a thread so that the
 loop keeps publishing heartbeats meanwhile.
 
-What a step computes, and which buffer set a version is made and published in, is
-nodes.master's; the copies evaluated after training, nodes.evalpoints'.
+This class is the core that ties the run's parts together; each part with state of its
+own lives in its module, decides and records, and never touches a socket:
+
+- nodes.admission: a Join refused or welcomed; rejections counted and rate-limited.
+- nodes.intake: a push judged (finite, in range, within its epochs), kept for its step.
+- nodes.parking: requests the strategy holds back, answered when released or stopped.
+- nodes.stepping: the optimizer and the step that makes each next version.
+- nodes.publisher: versions broadcast, and sent to a worker that pulls or joins.
+- nodes.ending: where the run is, and how it ends (stops and failures).
+- nodes.run_checkpoints, nodes.run_length, nodes.evalpoints: checkpoints, the run's
+  length and each rank's data position, the copies evaluated after training.
+
+What is left here (about 35 methods) is what needs several parts at once: receiving and
+answering, carrying out the strategy's decisions, the tick, a worker's departure, and the
+run's start and end. A relay (nodes.relay) subclasses it and overrides `_update` only.
 """
 
 from __future__ import annotations
@@ -62,7 +75,7 @@ from tensorbus.nodes.failures import (
 )
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.intake import DIVERGED_AFTER, Held, Intake
-from tensorbus.nodes.master import Master, shared_pool, weights_gallery
+from tensorbus.nodes.master import Master, version_sets, weights_gallery
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.model_buffers import ServedBuffers
@@ -73,7 +86,7 @@ from tensorbus.nodes.run_checkpoints import RunCheckpoints
 from tensorbus.nodes.run_length import RunLength
 from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
 from tensorbus.nodes.shards import ShardModel
-from tensorbus.nodes.stepping import Stepper, correct_momentum, master_optimizer
+from tensorbus.nodes.stepping import Stepper, correct_momentum, master_optimizer, stepped_lr
 from tensorbus.nodes.watch import Status, Watch
 from tensorbus.strategies.base import (
     Apply,
@@ -174,20 +187,15 @@ class Coordinator:
                              "workers the run starts with")
         self._members = Membership(config.max_workers or strategy.workers,
                                    first_rank=config.first_rank, world_size=config.world_size)
-        self._length = RunLength(steps=config.steps, epochs=config.epochs,
-                                 batch_size=config.batch_size)
+        self._length = RunLength(
+            steps=config.steps, epochs=config.epochs, batch_size=config.batch_size,
+            version=lambda: self.version, samples=lambda: self.metrics.samples,
+            ready=lambda: [m.batches for m in self._members if m.ready])
         self._evals = EvalPoints(config.eval_every_s, evaluate,
                                  every_epochs=config.eval_every_epochs)
         # Versions made in shared memory, which workers of this host read where they lie.
         self._gallery = gallery if pool is not None else weights_gallery(config)
-        layout = self.flat.layout
-        if pool is not None:
-            sets = pool
-        elif self._gallery is not None:
-            allocate = self._gallery.allocator(layout.sizes(), layout.allocate)
-            sets = shared_pool(allocate, self._gallery)
-        else:
-            sets = SendBuffers(layout.allocate)
+        sets = pool if pool is not None else version_sets(self.flat.layout, self._gallery)
         stepped = (master_optimizer(model.parameters(), strategy, optimizer, lr)
                    if self._STEPS else None)
         self.master = Master(self.flat, stepped, sets, compression=compression,
@@ -218,7 +226,8 @@ class Coordinator:
                                append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
         self._rejections = Rejections(self.metrics, clock, workers=strategy.workers)
-        self._parking = Parking(self._reply, metrics=self.metrics, watch=self.watch, clock=clock)
+        self._parking = Parking(self._reply, metrics=self.metrics, watch=self.watch, clock=clock,
+                                wait=strategy.rhythm.wait)
         self._intake = Intake(stepper=self.stepper, strategy=strategy, length=self._length,
                               metrics=self.metrics, watch=self.watch, buffers=self._buffers,
                               rejections=self._rejections, clock=clock)
@@ -410,7 +419,7 @@ class Coordinator:
                     # to join again, as one that pushes bytes is (see _dispatch).
                     code, detail = RejectCode.UNKNOWN_WORKER, admission.NOT_A_MEMBER
                 self._rejections.count(peer, code.value,
-                                       f"rejected a message from {self._name(peer)}: {e}")
+                                       f"rejected a message from {self._members.name(peer)}: {e}")
                 await self._reply(peer, Reject(request=e.request, code=code.value, detail=detail))
                 continue
             await self._dispatch(peer, message)
@@ -444,7 +453,8 @@ class Coordinator:
                 member.ready, member.batches = True, batches
                 self.metrics.unused = max(self.metrics.unused, unused)
                 decisions = self.strategy.handle(Joined(member.rank, now))
-                await self._answer(peer, member, message.request, decisions, now, push=False)
+                await self._parking.answer(peer, member, message.request, decisions, now, push=False,
+                                          version=self.version)
                 await self._carry_out(decisions)
             case Push(batches=batches):
                 # Fresher than its last beat (beats come every heartbeat_s): for the status.
@@ -486,11 +496,13 @@ class Coordinator:
             await self._refuse(peer, message, admitted, self._members.refusal(admitted, message.rank))
             return
         if not again:
-            log.info("worker %d joined (%s, build %s)", admitted.rank, self._name(peer), message.build)
+            log.info("worker %d joined (%s, build %s)", admitted.rank, self._members.name(peer),
+                     message.build)
             self.metrics.worker(admitted.rank)["joins"] += 1
+        assert self._server is not None
         welcome = admission.welcome(
             message, admitted.rank, strategy=self.strategy, config=self.config,
-            world_size=self._members.world_size, pub_port=self._pub_port(), lr=self.lr,
+            world_size=self._members.world_size, pub_port=self._server.pub_port, lr=self.lr,
             position=self._length.positions.get(admitted.rank, 0), probe=self._probe)
         self._intake.copy_held(admitted.rank, self._shelf)
         await self._published.refresh()
@@ -529,7 +541,8 @@ class Coordinator:
             if stepped and self._ending.stopping:  # (the last step)
                 await self._reply(peer, self._ending.answer(message.request, self.version))
             else:
-                await self._answer(peer, member, message.request, decisions, now, push=True)
+                await self._parking.answer(peer, member, message.request, decisions, now,
+                                          push=True, version=self.version)
         await self._carry_out(decisions)
         if self.state in (State.STARTING, State.TRAINING):
             await self._check_finite()
@@ -547,22 +560,6 @@ class Coordinator:
             lr="the lr of the SPEC's optimizer()" if self._own_optimizer else "--lr",
             remedies=self.strategy.remedies()))
 
-    async def _answer(
-        self, peer: bytes, member: Member, request: int, decisions: list[Decision], now: float,
-        *, push: bool,
-    ) -> None:
-        """Acknowledge a request now, or park it if the strategy holds its sender back."""
-        if Hold(member.rank) in decisions:
-            self._parking.park(member.rank, peer, request, now, push=push)
-        else:
-            await self._reply(peer, Ack(request=request, version=self.version))
-            if push:
-                self.watch.answered(member.rank)
-                # What it does now, for the status (beats may come only every few steps):
-                # sync and average wait for the next version; the others compute on.
-                waits = self.strategy.rhythm.wait is Wait.NEWER
-                member.phase = Phase.WAITING.value if waits else Phase.COMPUTING.value
-
     # Carrying out decisions ----------------------------------------------------------------
 
     async def _carry_out(self, decisions: list[Decision]) -> None:
@@ -571,10 +568,9 @@ class Coordinator:
                 case Apply():
                     await self._apply(decision)
                 case Release(workers=workers):
-                    done = self._done_share()
-                    if self.state is State.STARTING and done is not None and done >= 1.0:
+                    if self.state is State.STARTING and self._length.reached_target:
                         # Resumed from the checkpoint of a run that was over: no step more.
-                        await self._stop(f"reached {self._reached()} before this start "
+                        await self._stop(f"reached {self._length.reached()} before this start "
                                          "(resumed from the end of a run)")
                         return
                     await self._parking.release(workers, version=self.version)
@@ -615,10 +611,10 @@ class Coordinator:
         for w in decision.workers:
             self.metrics.worker(w)["applied"] += 1
             self._length.used(w, self.strategy.rhythm.local_steps)
-        lr = self._lr()  # (the one this version was stepped with)
+        lr = stepped_lr(self.master.optimizer, self.strategy, self.lr)  # (this version's)
         self.metrics.step(self.version, loss, samples, decision.workers, staleness, lr=lr)
         if self._schedule is not None:  # (after the samples are counted: epochs are samples)
-            self._schedule.after_step(self._epochs_done())
+            self._schedule.after_step(self._length.epochs_done())
         if self.state is State.STARTING:
             self._ending.enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
         started = self._clock.wall()
@@ -630,18 +626,17 @@ class Coordinator:
         # (Not before training started: the first copy is taken then, by _carry_out, and
         # train_s() is 0 until it does.)
         if self.metrics.trained_from is not None and self._evals.due(
-                self.metrics.train_s(), self._epochs_done()):
+                self.metrics.train_s(), self._length.epochs_done()):
             self._take_eval_point()
-        done = self._done_share()
         if self._on_step is not None:
             self._on_step(Progress(self.version, self._length.steps, loss, self.metrics.samples,
-                                   self.metrics.wall_s(), done))
+                                   self.metrics.wall_s(), self._length.done_share()))
         if self._ending.reached(self.version):
             await self.checkpoints.write(self.version)
             await self._stop(f"stop requested: {self._ending.requested}")
-        elif done is not None and done >= 1.0:
+        elif self._length.reached_target:
             await self.checkpoints.write(self.version)
-            await self._stop(f"reached {self._reached()}")
+            await self._stop(f"reached {self._length.reached()}")
         elif (self.config.checkpoint_every is not None
               and self.version % self.config.checkpoint_every == 0):
             await self.checkpoints.write(self.version)
@@ -650,7 +645,7 @@ class Coordinator:
         """A copy of the weights as they are now, evaluated after training (nodes.evalpoints)."""
         self._buffers.refresh()
         self._evals.take(self.master, self.version, self.metrics.samples, self.metrics.train_s(),
-                         self._epochs_done() if self._evals.by_epoch else None)
+                         self._length.epochs_done() if self._evals.by_epoch else None)
 
     async def _update(
         self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int,
@@ -661,47 +656,18 @@ class Coordinator:
         this is the one method it overrides."""
         await self.stepper.step(updates, scale, ranks=ranks)
 
-    def _lr(self) -> float:
-        """The learning rate versions are stepped with now (the workers' under average
-        without an outer optimizer: their SGD's, or their SPEC optimizer's own)."""
-        optimizer = self.master.optimizer
-        if optimizer is None or self.strategy.rhythm.push is PushKind.WEIGHTS:
-            return self.lr
-        return float(optimizer.param_groups[0]["lr"])
-
     async def _know_length(self) -> None:
         """Fix the run's length once every shard's is known, and answer the updates
         held back meanwhile (RunLength.past_its_epochs)."""
-        if self._length.target_samples is not None or self._length.steps is not None:
-            return
-        self._length.fix_target(self._ready_batches())
-        if self._length.target_samples is not None:
-            await self._parking.release([m.rank for m in self._members if self._parked_for_epochs(m)],
-                                        version=self.version)
-
-    def _parked_for_epochs(self, member: Member) -> bool:
-        parked = self._parking.get(member.rank)
-        return parked is not None and parked.push and not self.strategy.holds_back(member.rank)
+        if self._length.fix_target():
+            await self._parking.release(
+                [m.rank for m in self._members if (parked := self._parking.get(m.rank)) is not None
+                 and parked.push and not self.strategy.holds_back(m.rank)], version=self.version)
 
     def _over(self) -> bool:
         """Whether the run has made its last version (a push that comes now is not stepped
         on, and its buffers, of one forward more, are not taken)."""
-        done = self._done_share()
-        return self._ending.stopping or (done is not None and done >= 1.0)
-
-    def _done_share(self) -> float | None:
-        return self._length.done_share(self.version, self.metrics.samples)
-
-    def _reached(self) -> str:
-        return self._length.reached(self.version, self.metrics.samples)
-
-    def _epochs_done(self) -> int | None:
-        """Passes of samples over every worker's shard so far (None: not known yet)."""
-        return self._length.epochs_done(self.metrics.samples, self._ready_batches())
-
-    def _ready_batches(self) -> list[int]:
-        """The shard lengths of the workers ready, in batches (-1: not known yet)."""
-        return [m.batches for m in self._members if m.ready]
+        return self._ending.stopping or self._length.reached_target
 
     # Sending (versions: nodes.publisher) ---------------------------------------------------
 
@@ -716,7 +682,7 @@ class Coordinator:
 
     async def _refuse(self, peer: bytes, message: Message, code: RejectCode, detail: str) -> None:
         self._rejections.count(peer, code.value, f"refused {message.KIND.name} from "
-                                                 f"{self._name(peer)}: {code.value}: {detail}")
+                                                 f"{self._members.name(peer)}: {code.value}: {detail}")
         await self._reply(peer, Reject(request=message.request, code=code.value, detail=detail))
 
     # Time ----------------------------------------------------------------------------------
@@ -828,12 +794,4 @@ class Coordinator:
         return Status(state=self.state.value, version=self.version, target=self._length.steps,
                       samples=self.metrics.samples, train_s=self.metrics.train_s(),
                       loss=self.metrics.final_loss, workers=tuple(rows))
-
-    def _pub_port(self) -> int:
-        assert self._server is not None
-        return self._server.pub_port
-
-    def _name(self, peer: bytes) -> str:
-        member = self._members.get(peer)
-        return f"worker {member.rank}" if member else f"peer {peer.hex()}"
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorbus.bus.buffers import SendBuffers, Tracker, all_done
-from tensorbus.bus.layout import Compression
+from tensorbus.bus.layout import Compression, Layout
 from tensorbus.bus.pieces import Received, fold, sum_into, whole
 from tensorbus.bus.shared import Gallery
 from tensorbus.nodes import changes as changed
@@ -313,6 +313,14 @@ def shared_pool(allocate: Callable[[], Buffers], gallery: Gallery, *,
     one (but for top-k's Changes, which write the last whole version's set in place:
     `Master.advance_snapshot`)."""
     return SendBuffers(allocate, keep=3, held=held, reused=gallery.bump, dropped=gallery.release)
+
+
+def version_sets(layout: Layout, gallery: Gallery | None) -> SendBuffers:
+    """The buffer sets a coordinator makes its versions in: in `gallery`'s shared memory
+    (which workers of its host read where they lie), or private."""
+    if gallery is None:
+        return SendBuffers(layout.allocate)
+    return shared_pool(gallery.allocator(layout.sizes(), layout.allocate), gallery)
 
 
 def weights_gallery(config: CoordinatorConfig) -> Gallery | None:

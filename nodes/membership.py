@@ -46,6 +46,11 @@ class Membership:
     def get(self, identity: bytes) -> Member | None:
         return self._by_identity.get(identity)
 
+    def name(self, identity: bytes) -> str:
+        """How logs name the peer of connection `identity`: by rank, if a member."""
+        member = self._by_identity.get(identity)
+        return f"worker {member.rank}" if member else f"peer {identity.hex()}"
+
     def join(self, identity: bytes, rank: int, now: float) -> Member | RejectCode:
         """Admit a worker, or say why not. Joining again from the same connection is a no-op."""
         known = self._by_identity.get(identity)

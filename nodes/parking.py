@@ -12,9 +12,11 @@ from dataclasses import dataclass, replace
 
 from tensorbus.bus.buffers import Tracker
 from tensorbus.bus.clock import Clock
-from tensorbus.bus.messages import Ack, Message, Reject, RejectCode, Stop
+from tensorbus.bus.messages import Ack, Message, Phase, Reject, RejectCode, Stop
+from tensorbus.nodes.membership import Member
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.watch import Watch
+from tensorbus.strategies.base import Decision, Hold, Wait
 
 Reply = Callable[[bytes, Message], Awaitable[Tracker | None]]
 
@@ -28,12 +30,30 @@ class Parked:
 
 
 class Parking:
-    def __init__(self, reply: Reply, *, metrics: Metrics, watch: Watch, clock: Clock) -> None:
+    def __init__(self, reply: Reply, *, metrics: Metrics, watch: Watch, clock: Clock,
+                 wait: Wait) -> None:
+        """`wait`: what the strategy's workers wait for once a push is answered."""
         self._reply = reply
+        self._wait = wait
         self._metrics = metrics
         self._watch = watch
         self._clock = clock
         self._parked: dict[int, Parked] = {}  # rank -> its request held back
+
+    async def answer(self, peer: bytes, member: Member, request: int, decisions: list[Decision],
+                     now: float, *, push: bool, version: int) -> None:
+        """Acknowledge a request now, with `version`, or park it if the strategy holds its
+        sender back."""
+        if Hold(member.rank) in decisions:
+            self.park(member.rank, peer, request, now, push=push)
+            return
+        await self._reply(peer, Ack(request=request, version=version))
+        if push:
+            self._watch.answered(member.rank)
+            # What it does now, for the status (beats may come only every few steps):
+            # sync and average wait for the next version; the others compute on.
+            waits = self._wait is Wait.NEWER
+            member.phase = Phase.WAITING.value if waits else Phase.COMPUTING.value
 
     def park(self, rank: int, peer: bytes, request: int, now: float, *, push: bool) -> None:
         self._parked[rank] = Parked(peer, request, now, push)

@@ -12,7 +12,7 @@ training starts, or once every length is known.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tensorbus.nodes.failures import TrainingError
 
@@ -22,7 +22,14 @@ RELAY = -2  # a member's batches when it is a relay: its workers' data is theirs
 
 
 class RunLength:
-    def __init__(self, *, steps: int | None, epochs: int | None, batch_size: int) -> None:
+    def __init__(self, *, steps: int | None, epochs: int | None, batch_size: int,
+                 version: Callable[[], int], samples: Callable[[], int],
+                 ready: Callable[[], list[int]]) -> None:
+        """`version`, `samples`: the run's newest version and samples applied so far;
+        `ready`: the shard lengths of the workers ready, in batches (-1: not known yet)."""
+        self._version = version
+        self._samples = samples
+        self._ready = ready
         self.steps = steps  # the target in versions, if given so
         self.epochs = epochs
         self.batch_size = batch_size
@@ -42,7 +49,7 @@ class RunLength:
         whose first pass is not over): whether `rank`, whose shard has `batches`, has had
         --epochs passes of it used. Its updates are dropped then, until the length is
         known: under async a worker far ahead would otherwise take the run past it."""
-        if self.steps is not None or self.target_samples is not None or batches < 1:
+        if self.known or batches < 1:
             return False
         assert self.epochs is not None
         return self.positions.get(rank, 0) >= self.epochs * batches
@@ -56,15 +63,22 @@ class RunLength:
             self._epoch_samples = sum(batches) * self.batch_size
         return self._epoch_samples
 
-    def epochs_done(self, samples: int, batches: Sequence[int]) -> int | None:
-        """Passes of samples over every worker's shard in `samples` (None: not known yet)."""
-        per_epoch = self.samples_per_epoch(batches)
-        return None if per_epoch is None else samples // per_epoch
+    def epochs_done(self) -> int | None:
+        """Passes of samples over every worker's shard so far (None: not known yet)."""
+        per_epoch = self.samples_per_epoch(self._ready())
+        return None if per_epoch is None else self._samples() // per_epoch
 
-    def fix_target(self, batches: Sequence[int]) -> None:
-        """Under --epochs, fix the target in samples if the shards' lengths are known."""
-        if self.steps is not None or self.target_samples is not None:
-            return
+    @property
+    def known(self) -> bool:
+        """Whether the run's length is known (always, under --steps)."""
+        return self.steps is not None or self.target_samples is not None
+
+    def fix_target(self) -> bool:
+        """Under --epochs, fix the target in samples if the shards' lengths are known;
+        whether it was fixed now."""
+        if self.known:
+            return False
+        batches = self._ready()
         assert self.epochs is not None  # config guarantees steps or epochs
         if not batches or min(batches) == RELAY:
             raise TrainingError(
@@ -72,19 +86,25 @@ class RunLength:
                 "how many its workers have (their data is theirs): use --steps")
         per_epoch = self.samples_per_epoch(batches)
         if per_epoch is None:
-            return
+            return False
         self.target_samples = self.epochs * per_epoch
         log.info("%d epoch(s) over %d workers' %d batches: %d samples",
                  self.epochs, len(batches), sum(batches), self.target_samples)
+        return True
 
-    def done_share(self, version: int, samples: int) -> float | None:
+    def done_share(self) -> float | None:
         """The share of the run done, 0..1 (None: not known yet)."""
         if self.steps is not None:
-            return version / self.steps
+            return self._version() / self.steps
         if self.target_samples is not None:
-            return samples / self.target_samples
+            return self._samples() / self.target_samples
         return None
 
-    def reached(self, version: int, samples: int) -> str:
+    @property
+    def reached_target(self) -> bool:
+        done = self.done_share()
+        return done is not None and done >= 1.0
+
+    def reached(self) -> str:
         """What the run has reached, in the terms of its target."""
-        return f"version {version}" if self.steps is not None else f"{samples} samples"
+        return f"version {self._version()}" if self.steps is not None else f"{self._samples()} samples"

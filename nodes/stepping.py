@@ -66,6 +66,15 @@ def correct_momentum(optimizer: torch.optim.Optimizer | None, strategy: Strategy
                      asked, group["momentum"], strategy.workers)
 
 
+def stepped_lr(optimizer: torch.optim.Optimizer | None, strategy: Strategy, lr: float) -> float:
+    """The learning rate versions are stepped with now: the optimizer's, or `lr` (the
+    workers') under average without an outer optimizer (their SGD's, or their SPEC
+    optimizer's own)."""
+    if optimizer is None or strategy.rhythm.push is PushKind.WEIGHTS:
+        return lr
+    return float(optimizer.param_groups[0]["lr"])
+
+
 class Stepper:
     """Makes versions on `master`: one step at a time, under the coordinator's step lock
     (held by the caller for `step`, taken here for a fold). `version`: the coordinator's
