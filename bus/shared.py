@@ -18,7 +18,7 @@ Ownership: a coordinator reads a push's tensors until it has answered the push (
 finiteness check, the fold) and, for a push it keeps, until the step that uses it, which
 comes before the version that step makes is published. So a worker writes buffers it
 pushed by reference again only once every coordinator it pushed them to is done with them
-(see `nodes.worker`):
+(see `nodes.training`):
 - sync, with or without backups (`strategies.base.Wait.NEWER`, gradients pushed): once
   each has answered and published a newer version, which it waits for anyway;
 - async (`Wait.NOTHING`; pipelined: the next gradient goes into the other set while this
@@ -38,10 +38,10 @@ lies, under a topic of its own (`bus.transport`), not its bytes. A version's rea
 not counted: the pool writes a set again only some versions after it was published
 (`bus.buffers.SendBuffers` with `reused`), bumping its generation counter first, and a
 worker checks the counter after its copy and pulls the version's bytes if it moved
-(`nodes.link.Link.load_shared`): a torn copy is never computed on. A worker whose only
+(`nodes.version_chain.VersionChain.load_shared`): a torn copy is never computed on. A worker whose only
 coordinator is on its host computes on the set itself, where it lies, and checks the
 counter once its gradient is made, before it pushes it: moved, and it computes again on
-a copy (`nodes.worker.Worker._follow_set`).
+a copy (`nodes.in_place.InPlace.follow_set`).
 
 Trust: a coordinator takes references only from members, only in a Push, and a worker
 only from its coordinator, only in Weights; only for float tensors, only from regular files
@@ -247,7 +247,7 @@ class Gallery:
     (`bus.buffers.SendBuffers`), which `bump`s its generation first; a broadcast names the
     generation the set had when it went out. A reader copies the weights, then reads the
     generation (`Shelf.generation`): the same, and no write of the set had begun before its
-    last read, so the copy is whole; another, and it is thrown away (`nodes.link`). That
+    last read, so the copy is whole; another, and it is thrown away (`nodes.version_chain`). That
     inference needs stores seen in the order they were made, and loads made in order, as
     x86-64 guarantees (TSO); elsewhere `Gallery.usable()` is False and weights go as bytes.
     """

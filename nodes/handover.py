@@ -15,7 +15,7 @@ Who may write what, and when (the invariant this module keeps):
   hands: not published, not on the wire, and not the set the worker's model is bound to
   (`held`, which the pool asks before it reuses a set: bus.buffers.SendBuffers).
 - The other ranges of a set are written only by the worker, only while its model is bound
-  to that set (loading the other shards' weights), or moving to it (see `Worker._bind`).
+  to that set (loading the other shards' weights), or moving to it (see `nodes.in_place.InPlace.bind`).
 - The worker binds to a set only while it holds frames of the version published in it, so
   that set is not in the pool then; it lets go of the old set (`bound`) only once done
   reading it.

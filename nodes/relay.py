@@ -169,7 +169,7 @@ class Relay(Coordinator):
             if self._ready is not None:
                 await self._ready
             await wait_sent(self._sent, timeout=link.timeout_s, what="the last update")
-            link.load_latest()
+            link.versions.load_latest()
             await asyncio.to_thread(self.master.mean, updates, scale)
             computed_on = link.version
             self.phase = Phase.PUSHING
@@ -183,12 +183,12 @@ class Relay(Coordinator):
                 log.info("relay %d: update on version %d dropped by the root (%s)",
                          self.rank, computed_on, ack.dropped)
                 if ack.version > computed_on:
-                    await link.await_version(newer_than=ack.version - 1)
+                    await link.versions.await_version(newer_than=ack.version - 1)
             elif self._upstream_wait is Wait.NEWER:
-                await link.await_version(newer_than=computed_on)
+                await link.versions.await_version(newer_than=computed_on)
             elif ack.version > link.version:
-                await link.await_version(newer_than=ack.version - 1)
-            link.load_latest()  # into self.flat.weights: what the next publish sends
+                await link.versions.await_version(newer_than=ack.version - 1)
+            link.versions.load_latest()  # into self.flat.weights: what the next publish sends
             self.phase = Phase.COMPUTING
         except Stopped:
             failure = self._root_failure()

@@ -131,44 +131,46 @@ def _change(base: int, version: int, at: list[int], value: float) -> Changes:
 
 def test_a_link_chains_changes_and_loads_them_in_order() -> None:
     link, weights = _link()
-    link._take_changes(_change(0, 1, [0, 1], 1.0))
-    link._take_changes(_change(1, 2, [1, 2], 2.0))
-    assert link.newest() == 2 and link.version == 0
-    newer = link.latest()
+    link.versions.take_changes(_change(0, 1, [0, 1], 1.0))
+    link.versions.take_changes(_change(1, 2, [1, 2], 2.0))
+    assert link.versions.newest() == 2 and link.version == 0
+    newer = link.versions.latest()
     assert newer is not None and newer.version == 2 and newer.weights is None
-    link.load(newer)
-    link.forget_loaded()
+    link.versions.load(newer)
+    link.versions.forget_loaded()
     assert weights.tolist() == [1, 2, 2, 0, 0, 0, 0, 0] and link.version == 2
-    assert link.latest() is None and link._chain == []
-    link._take_changes(_change(1, 2, [5], 9.0))  # old: ignored
-    assert link.latest() is None and weights[5] == 0
+    assert link.versions.latest() is None and link.versions._changes == []
+    link.versions.take_changes(_change(1, 2, [5], 9.0))  # old: ignored
+    assert link.versions.latest() is None and weights[5] == 0
 
 
 def test_a_missed_change_is_made_up_for_by_the_whole_version() -> None:
     link, weights = _link()
-    link._take_changes(_change(0, 1, [0], 1.0))
-    link._take_changes(_change(2, 3, [3], 3.0))  # 1 -> 2 was missed
-    link._take_changes(_change(3, 4, [4], 4.0))
-    assert link._gap.is_set() and link.newest() == 1  # kept aside; the whole one is asked for
-    link._keep_newest(Weights(version=2, tensors=(torch.arange(8, dtype=torch.float32),)))
-    assert link.newest() == 4 and link._aside == {}  # the two kept aside follow on now
-    link.load_latest()
+    link.versions.take_changes(_change(0, 1, [0], 1.0))
+    link.versions.take_changes(_change(2, 3, [3], 3.0))  # 1 -> 2 was missed
+    link.versions.take_changes(_change(3, 4, [4], 4.0))
+    # Kept aside; the whole one is asked for.
+    assert link.versions._missed.is_set() and link.versions.newest() == 1
+    link.versions.keep_newest(Weights(version=2, tensors=(torch.arange(8, dtype=torch.float32),)))
+    assert link.versions.newest() == 4 and link.versions._aside == {}  # the two kept aside follow on now
+    link.versions.load_latest()
     assert weights.tolist() == [0, 1, 2, 3, 4, 5, 6, 7] and link.version == 4
 
 
 def test_a_whole_version_past_what_was_kept_aside_lets_it_go() -> None:
     link, weights = _link()
-    link._take_changes(_change(2, 3, [3], 3.0))
-    link._keep_newest(Weights(version=5, tensors=(torch.ones(8),)))
-    assert link._aside == {} and link.newest() == 5
-    link.load_latest()
+    link.versions.take_changes(_change(2, 3, [3], 3.0))
+    link.versions.keep_newest(Weights(version=5, tensors=(torch.ones(8),)))
+    assert link.versions._aside == {} and link.versions.newest() == 5
+    link.versions.load_latest()
     assert weights.tolist() == [1.0] * 8
 
 
 def test_changes_out_of_range_are_refused(caplog: pytest.LogCaptureFixture) -> None:
     link, _ = _link()
-    link._take_changes(_change(0, 1, [8], 1.0))
-    assert link.newest() == 0 and not link._gap.is_set() and link.latest() is None
+    link.versions.take_changes(_change(0, 1, [8], 1.0))
+    versions = link.versions
+    assert versions.newest() == 0 and not versions._missed.is_set() and versions.latest() is None
     assert "out of range" in caplog.text
 
 

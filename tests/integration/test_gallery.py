@@ -130,7 +130,7 @@ def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False,
                 assert not link._shelf.holds(newer.weights.tensors[0])
         shelf = self.links[0]._shelf
         if shelf is not None and shelf.holds(self.flat.weights[0]):
-            assert self._on_set is not None and latest == [None]
+            assert self._in_place.on_set is not None and latest == [None]
             in_place[self.rank] += 1
         return compute(self, latest, *args)
 
@@ -143,7 +143,7 @@ def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False,
 
 def _tear_first_copy(worker: Worker, coordinator: Coordinator) -> None:
     link = worker.links[0]
-    load = link.load
+    load = link.versions.load  # (what load_shared calls)
     torn: list[int] = []
 
     def tearing(weights: Any) -> None:
@@ -158,16 +158,16 @@ def _tear_first_copy(worker: Worker, coordinator: Coordinator) -> None:
             assert coordinator._gallery is not None and coordinator.master.snapshot is not None
             coordinator._gallery.bump(coordinator.master.snapshot.buffers)
 
-    link.load = tearing  # type: ignore[method-assign]
+    link.versions.load = tearing  # type: ignore[method-assign]
 
 
 def _rewrite_first_set(worker: Worker, coordinator: Coordinator) -> None:
     """Move the generation of the set worker's first compute in place reads, during it."""
-    take = worker._batches_next
+    take = worker._data.next
     done: list[int] = []
 
     def rewriting() -> tuple[torch.Tensor, torch.Tensor]:
-        on = worker._on_set
+        on = worker._in_place.on_set
         if not done and on is not None:
             done.append(on.weights.version)
             # In sync, the set of the version computed on is the coordinator's snapshot.
@@ -176,7 +176,7 @@ def _rewrite_first_set(worker: Worker, coordinator: Coordinator) -> None:
             assert Shelf.generation(on.first) != on.generation
         return take()
 
-    worker._batches_next = rewriting  # type: ignore[method-assign]
+    worker._data.next = rewriting  # type: ignore[method-assign]
 
 
 @pytest.mark.exclusive  # its figures need the machine to itself
@@ -261,7 +261,7 @@ def test_a_worker_that_fails_while_computing_in_place_gets_its_own_weights_back(
             model=_model(), strategy=Sync(workers=1), config=CoordinatorConfig(batch_size=8, steps=50),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         worker = _worker(coordinator.bind(), 0, None, shared_memory=True)
-        loss, calls = worker._loss, [0]
+        loss, calls = worker._local_steps.loss, [0]
 
         def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             calls[0] += 1
@@ -269,7 +269,7 @@ def test_a_worker_that_fails_while_computing_in_place_gets_its_own_weights_back(
                 raise RuntimeError("boom")
             return loss(out, target)
 
-        worker._loss = failing
+        worker._local_steps.loss = failing
         running = asyncio.create_task(coordinator.run())
         try:
             await worker.run()
@@ -284,7 +284,7 @@ def test_a_worker_that_fails_while_computing_in_place_gets_its_own_weights_back(
     before = _ours()
     worker, failure, last = asyncio.run(scenario())
     assert isinstance(failure, ComputeError) and "boom" in str(failure)
-    assert worker._on_set is None and worker.flat.weights is worker._own
+    assert worker._in_place.on_set is None and worker.flat.weights is worker._in_place.own
     shelf = worker.links[0]._shelf
     assert shelf is not None and not shelf.holds(worker.flat.weights[0])
     assert all(torch.equal(a, b) for a, b in zip(worker.flat.weights, last, strict=True))

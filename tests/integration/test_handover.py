@@ -31,8 +31,8 @@ from tensorbus.bus.pieces import Pieces, copy_into
 from tensorbus.nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from tensorbus.nodes.coordinator import Progress
 from tensorbus.nodes.handover import Handover
-from tensorbus.nodes.link import Newer
 from tensorbus.nodes.shards import ShardModel, assemble
+from tensorbus.nodes.version_chain import PendingVersion
 from tensorbus.strategies import PeriodicAveraging, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(90)
@@ -112,15 +112,15 @@ def _worker_beside(handover: Handover, model: nn.Module) -> Worker:
     endpoints = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
     worker = Worker(model=model, data=digits.data, loss=digits.loss, handover=handover,
                     config=WorkerConfig(connect=endpoints, rank=handover.index))
-    worker._sharing = True
+    worker._in_place.sharing = True
     return worker
 
 
-def _load(worker: Worker, latest: list[Newer | None]) -> None:
-    worker._follow_handover(latest)
+def _load(worker: Worker, latest: list[PendingVersion | None]) -> None:
+    worker._in_place.follow_handover(latest)
     for link, newer in zip(worker.links, latest, strict=True):
         if newer is not None:
-            link.load(newer)
+            link.versions.load(newer)
 
 
 def test_the_worker_binds_to_the_set_then_leaves_it_untouched_for_changes() -> None:
@@ -131,8 +131,8 @@ def test_the_worker_binds_to_the_set_then_leaves_it_untouched_for_changes() -> N
     made = handover.allocate()  # the shard made version 1 here
     made[0].copy_(torch.arange(made[0].numel(), dtype=torch.float32))
     other = tuple(t + 1.0 for t in layout.shard(0, 2).take(layout.allocate()))  # from tcp
-    _load(worker, [Newer(Weights(version=1, tensors=other), ()),
-                   Newer(Weights(version=1, tensors=made), ())])
+    _load(worker, [PendingVersion(Weights(version=1, tensors=other), ()),
+                   PendingVersion(Weights(version=1, tensors=made), ())])
     whole = handover.holding(made)
     assert whole is not None and worker.flat.weights is whole and handover.bound is whole
     assert handover.held(made)
@@ -144,8 +144,8 @@ def test_the_worker_binds_to_the_set_then_leaves_it_untouched_for_changes() -> N
     # buffers, never into the set, which the shard may be sending.
     at = torch.tensor([0, 5], dtype=torch.int64)
     changes = Changes(version=2, base=1, tensors=(at, torch.tensor([-1.0, -2.0])))
-    _load(worker, [None, Newer(None, (changes,))])
-    assert worker.flat.weights is worker._own and handover.bound is None and not handover.held(made)
+    _load(worker, [None, PendingVersion(None, (changes,))])
+    assert worker.flat.weights is worker._in_place.own and handover.bound is None and not handover.held(made)
     assert torch.equal(made[0], before)
     mine = layout.shard(1, 2).take(worker.flat.weights)[0]
     assert mine[:6].tolist() == [-1.0, 1.0, 2.0, 3.0, 4.0, -2.0]

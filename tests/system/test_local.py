@@ -218,7 +218,7 @@ def test_a_spec_without_model_fails_in_one_line(tmp_path: Path) -> None:
 
 def test_a_dataloader_with_workers_of_its_own_runs_epoch_after_epoch_quietly(tmp_path: Path) -> None:
     """Its workers are forked as each epoch begins: from the worker's main thread (the
-    loop's), as nodes.worker._on_loop has it. Forked from the compute's executor thread,
+    loop's), as nodes.compute.iter_on_loop has it. Forked from the compute's executor thread,
     they exited 1 at their end, and the DataLoader said so in tracebacks."""
     text = DIGITS.read_text() + (
         "\n\n_data = data\n\n\ndef data(rank, world_size, batch_size):\n"

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tensorbus.nodes.compute import ComputeThread
-from tensorbus.nodes.worker import _finishing, _in_thread
+from tensorbus.nodes.compute import ComputeThread, finishing, in_thread
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -43,8 +42,8 @@ def test_a_failure_beside_the_compute_waits_for_the_thread_to_end(
         return 1
 
     async def train() -> None:
-        compute, done = _in_thread(asyncio.get_running_loop(), thread, backward)
-        async with _finishing(done, _staying):
+        compute, done = in_thread(asyncio.get_running_loop(), thread, backward)
+        async with finishing(done, _staying):
             await asyncio.sleep(0.01)
             compute.cancel()  # as a cancelled worker task would cancel what it awaits
             raise RuntimeError("coordinator lost")
@@ -57,8 +56,8 @@ def test_a_failure_beside_the_compute_waits_for_the_thread_to_end(
 def test_the_result_comes_back_when_nothing_fails(
         thread: ComputeThread) -> None:
     async def train() -> int:
-        compute, done = _in_thread(asyncio.get_running_loop(), thread, lambda: 7)
-        async with _finishing(done, _staying):
+        compute, done = in_thread(asyncio.get_running_loop(), thread, lambda: 7)
+        async with finishing(done, _staying):
             value = await compute
         assert done.done()
         return value
@@ -69,12 +68,12 @@ def test_the_result_comes_back_when_nothing_fails(
 def test_a_long_wait_for_the_thread_says_why(monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture,
                                              thread: ComputeThread) -> None:
-    monkeypatch.setattr("tensorbus.nodes.worker.FINISHING_SAY_S", 0.05)
+    monkeypatch.setattr("tensorbus.nodes.compute.FINISHING_SAY_S", 0.05)
 
     async def train() -> None:
-        _compute, done = _in_thread(asyncio.get_running_loop(), thread,
-                                    lambda: time.sleep(0.4))
-        async with _finishing(done, _staying):
+        _compute, done = in_thread(asyncio.get_running_loop(), thread,
+                                   lambda: time.sleep(0.4))
+        async with finishing(done, _staying):
             raise RuntimeError("coordinator lost")
 
     with caplog.at_level("WARNING", logger="tensorbus.worker"), \
@@ -92,11 +91,11 @@ def test_a_compute_cancelled_before_it_began_is_over_at_once(
 
     async def train() -> float:
         loop = asyncio.get_running_loop()
-        busy, _ = _in_thread(loop, thread, lambda: release.wait(5))  # the one thread, taken
-        compute, done = _in_thread(loop, thread, ran.set)
+        busy, _ = in_thread(loop, thread, lambda: release.wait(5))  # the one thread, taken
+        compute, done = in_thread(loop, thread, ran.set)
         started = time.monotonic()
         try:
-            async with _finishing(done, _staying):
+            async with finishing(done, _staying):
                 compute.cancel()
                 raise RuntimeError("stopped")
         except RuntimeError:
@@ -115,11 +114,11 @@ def test_a_worker_leaving_for_good_does_not_wait_for_its_step(
     release = threading.Event()
 
     async def train() -> float:
-        _compute, done = _in_thread(asyncio.get_running_loop(), thread,
-                                    lambda: release.wait(5))
+        _compute, done = in_thread(asyncio.get_running_loop(), thread,
+                                   lambda: release.wait(5))
         started = time.monotonic()
         try:
-            async with _finishing(done, lambda: True):
+            async with finishing(done, lambda: True):
                 raise asyncio.CancelledError
         except asyncio.CancelledError:
             pass
