@@ -692,7 +692,11 @@ class Coordinator:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             now = self._clock.monotonic()
-            await self._server.publish(encode(Heartbeat(version=self.version, phase=self.state.value)))
+            # Stopping, the Stop goes out again each beat: a worker whose subscription came
+            # after the first one (welcomed just before the stop) hears it too, and leaves.
+            beat = (self._ending.answer(0, self.version) if self.state is State.STOPPING
+                    else Heartbeat(version=self.version, phase=self.state.value))
+            await self._server.publish(encode(beat))
             for member in self._members.silent(now, self.config.timeout_s):
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
