@@ -227,9 +227,10 @@ def test_a_compute_on_a_set_written_meanwhile_is_done_again_on_a_copy_with_the_s
     assert reports[0].redone == 1 and reports[1].redone <= 1
     # Every compute in place (the one done again too) but the first, on the Welcome's
     # weights, and the 2 after the redo (COPY_AFTER_REDO), the first of which pulled the
-    # version it was computed on.
+    # version it was computed on; and one more where the worker began a compute on the
+    # last version before the stop came.
     first, _ = COPY_AFTER_REDO
-    assert in_place[0] == reports[0].pushes + 1 - 1 - first
+    assert in_place[0] - (reports[0].pushes + 1 - 1 - first) in (0, 1)
     assert reports[0].torn >= 1  # (the version given back, its copy found torn: pulled)
     assert all(r.final_version == 8 for r in reports)
     # The same bits as with bytes: nothing computed on the set was pushed, and the batch

@@ -147,7 +147,7 @@ def test_a_silent_worker_is_removed_within_the_timeout_then_rejoins(tmp_path: Pa
 
 
 def _accuracy_run(tmp_path: Path, kill_at: int | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    options = ["--workers", "2", "--epochs", "10", "--batch-size", "32", "--lr", "0.2",
+    options = ["--workers", "2", "--epochs", "6", "--batch-size", "32", "--lr", "0.2",
                "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "20"]
     with cluster(tmp_path) as c:
         c.start_coordinator(*options)
@@ -172,12 +172,12 @@ def test_a_coordinator_killed_with_sigkill_resumes_from_its_checkpoint(tmp_path:
     (tmp_path / "calm").mkdir()
     (tmp_path / "killed").mkdir()
     calm, _ = _accuracy_run(tmp_path / "calm", kill_at=None)
-    resumed, records = _accuracy_run(tmp_path / "killed", kill_at=90)
+    resumed, records = _accuracy_run(tmp_path / "killed", kill_at=70)
     resume = next(r for r in records if r["event"] == "resume")
     before = [r["version"] for r in records[:records.index(resume)] if r["event"] == "checkpoint"]
     # The resumed run starts from the newest checkpoint written before the kill (or one
     # written as the kill came, before its record was).
-    assert resume["version"] % 20 == 0 and resume["version"] >= max(before) >= 80
+    assert resume["version"] % 20 == 0 and resume["version"] >= max(before) >= 60
     assert resumed["resumed_from"] == resume["version"]
     after = [r for r in _steps(records) if records.index(r) > records.index(resume)]
     assert after[0]["version"] == resume["version"] + 1

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("script, args", [
-    ("relay_tree.py", ["--relays", "2", "--per-relay", "2", "--steps", "60"]),
+    # (One worker a relay: relays of several workers are tests/system/test_relay.py's.)
+    ("relay_tree.py", ["--relays", "2", "--per-relay", "1", "--steps", "60"]),
     ("sharded_server.py", ["--shards", "2", "--workers", "2", "--steps", "60"]),
 ])
 def test_a_topology_example_trains(script: str, args: list[str]) -> None:
