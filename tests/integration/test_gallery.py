@@ -179,7 +179,6 @@ def _rewrite_first_set(worker: Worker, coordinator: Coordinator) -> None:
     worker._data.next = rewriting  # type: ignore[method-assign]
 
 
-@pytest.mark.exclusive  # its figures need the machine to itself
 def test_sync_loads_every_version_by_reference_with_the_bits_of_bytes() -> None:
     before = _ours()
     want, plain, _, none = _train(Sync(workers=2), shared=False)
@@ -218,7 +217,6 @@ def test_async_loads_versions_by_reference_and_makes_no_set_a_version() -> None:
     assert _ours() == before
 
 
-@pytest.mark.exclusive  # its figures need the machine to itself
 def test_a_compute_on_a_set_written_meanwhile_is_done_again_on_a_copy_with_the_same_batch() -> None:
     before = _ours()
     want, _, _, _ = _train(Sync(workers=2), shared=False)

@@ -17,7 +17,7 @@ from cluster import segments
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "examples" / "digits.py")
-CLUSTERS = 6
+CLUSTERS = 4
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -105,7 +105,7 @@ asyncio.run(main())
 
 
 @pytest.mark.exclusive  # its figures need the machine to itself
-@pytest.mark.parametrize(("signal_name", "tries"), [("SIGTERM", 15), ("SIGINT", 3)])
+@pytest.mark.parametrize(("signal_name", "tries"), [("SIGTERM", 8), ("SIGINT", 3)])
 def test_a_worker_leaves_at_once_on_a_signal_wherever_it_is(signal_name: str,
                                                             tries: int) -> None:
     done = subprocess.run([sys.executable, "-c", LAUNCHER, DIGITS, str(tries), signal_name],
