@@ -2,8 +2,9 @@
 
 pyzmq's `zmq.asyncio` makes a Future, a done-callback and a poller update for every receive,
 and a Future for every send, and re-reads the socket's events after each: in a colocated
-sync run at 1M parameters, 38 % of the samples of the event loop's thread holding the GIL
-had it on their stack, the socket calls themselves included (py-spy --gil). Here a send or
+sync run at 1M parameters, it was on the stack of much of the time the event loop's thread
+held the GIL, the socket calls themselves included (py-spy --gil; the profiles:
+benchmarks/cpu_profile.py). Here a send or
 a receive is first tried without blocking (unless others of its kind already wait: then it
 queues behind them), and only when ZeroMQ answers Again does it wait.
 

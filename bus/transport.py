@@ -18,8 +18,8 @@ worker takes (heartbeats, Changes, Stop), and a version's whole weights twice, a
 (`TOPIC_SHARED`: bus.shared.Gallery). A worker subscribes to one of the two; PUB sends a
 message only to subscribers of its topic, so one that nobody wants costs no bytes. It would
 still cost the coordinator the message's encoding and the making and dropping of its
-zero-copy frames (about 0.28 ms of its event loop a version at 1M, measured in an async
-run), so the broadcast socket is an XPUB, which hands up the topics subscribed to (the first
+zero-copy frames, a measurable part of its event loop's time a version at 1M parameters
+under async, so the broadcast socket is an XPUB, which hands up the topics subscribed to (the first
 subscription to a topic, and the last one's end), and `ZmqServer.wants(topic)` tells the
 coordinator whether anyone takes a topic before it makes the message. A subscriber whose
 subscription is not in yet misses the message either way, as with any PUB (the slow

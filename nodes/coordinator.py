@@ -570,7 +570,7 @@ class Coordinator:
                 case Release(workers=workers):
                     if self.state is State.STARTING and self._length.reached_target:
                         # Resumed from the checkpoint of a run that was over: no step more.
-                        await self._stop(f"reached {self._length.reached()} before this start "
+                        await self._stop(f"reached {self._length.progress_words()} before this start "
                                          "(resumed from the end of a run)")
                         return
                     await self._parking.release(workers, version=self.version)
@@ -631,12 +631,12 @@ class Coordinator:
         if self._on_step is not None:
             self._on_step(Progress(self.version, self._length.steps, loss, self.metrics.samples,
                                    self.metrics.wall_s(), self._length.done_share()))
-        if self._ending.reached(self.version):
+        if self._ending.stop_due(self.version):
             await self.checkpoints.write(self.version)
             await self._stop(f"stop requested: {self._ending.requested}")
         elif self._length.reached_target:
             await self.checkpoints.write(self.version)
-            await self._stop(f"reached {self._length.reached()}")
+            await self._stop(f"reached {self._length.progress_words()}")
         elif (self.config.checkpoint_every is not None
               and self.version % self.config.checkpoint_every == 0):
             await self.checkpoints.write(self.version)

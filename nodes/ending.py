@@ -73,7 +73,7 @@ class Ending:
     def ask(self, why: str, *, version: int, at_version: int | None, quiet: bool,
             stop: Callable[[str], None]) -> None:
         """A stop asked for (see Coordinator.request_stop): `stop(why)` now, or once
-        `at_version` is reached (`reached`), or after the stop timeout if it never is."""
+        `at_version` is reached (`stop_due`), or after the stop timeout if it never is."""
         if self.requested is not None or not self.running:
             return
         self.requested, self.quiet = why, quiet
@@ -95,7 +95,7 @@ class Ending:
                 else "stopping before training began")
         stop(why)
 
-    def reached(self, version: int) -> bool:
+    def stop_due(self, version: int) -> bool:
         """Whether `version` is the one an asked stop waited for (it stops now, then)."""
         if self.at_version is None or version < self.at_version:
             return False

@@ -3,7 +3,7 @@
 In sync, a version waits for its last push, and everything the coordinator does after
 that push arrives is on every worker's path to its next compute. A plain SGD step over n
 pushed gradients reads them all and the master, and writes the next version: with the
-10M-parameter MLP on colocated shards, about 9 ms, after the last 20 MB came over TCP and
+10M-parameter MLP on colocated shards, milliseconds, after the last 20 MB came over TCP and
 were checked finite (one more pass). Made push by push instead, into the spare set where
 the next version goes anyway (`nodes.master.Master.into_spare`), each push is folded in as it
 arrives and checked finite in the same pass (`bus.pieces.fold_checked`); after the last

@@ -1,8 +1,8 @@
 """The k elements of largest magnitude in a long vector, found fast on the CPU.
 
-`torch.topk` over a million elements takes 7-15 ms on this kind of CPU, ten times the
-batch-1 step of the 1M-parameter benchmark model that it serves (`--compress topk:R`).
-`Largest` finds the same k elements in about 1 ms (k = 1%):
+`torch.topk` over a million elements takes several times the batch-1 step of the
+1M-parameter benchmark model that it serves (`--compress topk:R`) on this kind of CPU.
+`Largest` finds the same k elements several times faster (k = 1%):
 
 1. it guesses a threshold from a fixed random sample of the positions: a value that k of
    the n elements should reach, lowered by five standard deviations of how many sampled

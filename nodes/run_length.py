@@ -105,6 +105,6 @@ class RunLength:
         done = self.done_share()
         return done is not None and done >= 1.0
 
-    def reached(self) -> str:
+    def progress_words(self) -> str:
         """What the run has reached, in the terms of its target."""
         return f"version {self._version()}" if self.steps is not None else f"{self._samples()} samples"

@@ -1,9 +1,9 @@
 """The worker processes a launcher starts: forked from it where that is safe, fresh
 interpreters otherwise; each dies with its launcher.
 
-A fresh `python -m tensorbus worker` imports torch and the rest of tensorbus again: about 1.6 s of
-CPU each, most of a short run's start on a small machine (`local --workers 4` on 2 cores
-took 7 s to make its first version, 1 s of it training). `Forks` forks the workers from the
+A fresh `python -m tensorbus worker` imports torch and the rest of tensorbus again: over a
+second of CPU each, most of a short run's start on a small machine (`python -m benchmarks
+ab REV --only start` measures a start). `Forks` forks the workers from the
 launcher as it starts instead, while nothing of the run is made yet (no event loop, no
 ZeroMQ context, no SPEC loaded, no other Python thread), and each child waits on a pipe for
 its orders. Told them, a child becomes what a fresh `python -m MODULE ARGV` would be, with

@@ -44,7 +44,7 @@ from tensorbus.run.options import RunOptions, make_coordinator
 from tensorbus.run.pernode import launch_node
 from tensorbus.run.progress import CurrentStderr, ProgressLine
 from tensorbus.run.signals import die_of, stopping_on_signals
-from tensorbus.run.spec import SpecError, load_spec, said
+from tensorbus.run.spec import SpecError, error_line, load_spec
 from tensorbus.run.status import StatusTable
 from tensorbus.strategies import STRATEGIES
 
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     except (SpecError, ValueError, CheckpointError, MetricsError) as e:
         return fail(e, str(e), 2)
     except (DataError, ComputeError) as e:  # the SPEC's own code failed: said with its path
-        return fail(e, said(e, args.spec), 1)
+        return fail(e, error_line(e, args.spec), 1)
     except (TrainingError, LocalRunError, PeerTimeoutError, RejectedError, HandshakeError,
             RunFailedError, OSError) as e:
         return fail(e, str(e), 1)

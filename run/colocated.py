@@ -47,7 +47,7 @@ from tensorbus.run.local import (
 from tensorbus.run.memory import keep_freed_memory
 from tensorbus.run.options import RunOptions, make_colocated
 from tensorbus.run.signals import stopping_on_signals
-from tensorbus.run.spec import load_spec, said
+from tensorbus.run.spec import error_line, load_spec
 from tensorbus.run.status import StatusTable
 
 KEY_NAME = "worker"  # the key pair `tensorbus keys` makes for workers, as `local` uses
@@ -227,7 +227,7 @@ def _child() -> int:
     except Exception as e:  # one line for the launcher, as `worker` does
         if orders["debug"]:
             logging.getLogger("tensorbus.worker").exception("worker %d failed", orders["index"])
-        print(f"{ERROR_PREFIX}{said(e, orders['spec'])}", file=sys.stderr, flush=True)
+        print(f"{ERROR_PREFIX}{error_line(e, orders['spec'])}", file=sys.stderr, flush=True)
         return 1
 
 

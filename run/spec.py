@@ -138,7 +138,7 @@ def _takes(function: Callable[..., Any], arity: int) -> bool:
     return True
 
 
-def said(error: Exception, spec: str | Path) -> str:
+def error_line(error: Exception, spec: str | Path) -> str:
     """An error's one line: where the SPEC's own code failed (its data(), model or loss:
     nodes.worker's DataError and ComputeError), with the SPEC's path."""
     return f"SPEC {spec}: {error}" if isinstance(error, DataError | ComputeError) else str(error)
