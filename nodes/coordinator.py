@@ -303,7 +303,9 @@ class Coordinator:
         self._started_at = self._clock.monotonic()
         try:
             if self.config.resume:
-                self.version = self.checkpoints.resume() or 0
+                resumed = self.checkpoints.resume()
+                if resumed is not None:
+                    self.version = resumed
             await self._published.publish()
         except BaseException:
             if self._gallery is not None:
@@ -510,7 +512,7 @@ class Coordinator:
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
         taken = await self._intake.take(
-            peer, member, message, now, members=[m.rank for m in self._members],
+            peer, member, message, now, members=lambda: [m.rank for m in self._members],
             shelf=self._shelf, stopping=self._ending.stopping, over=self._over)
         decisions, dropped = taken.decisions, taken.dropped
         if dropped == DropReason.PAST_EPOCHS.value:
@@ -660,9 +662,8 @@ class Coordinator:
         """Fix the run's length once every shard's is known, and answer the updates
         held back meanwhile (RunLength.past_its_epochs)."""
         if self._length.fix_target():
-            await self._parking.release(
-                [m.rank for m in self._members if (parked := self._parking.get(m.rank)) is not None
-                 and parked.push and not self.strategy.holds_back(m.rank)], version=self.version)
+            await self._parking.release(self._parking.pushes(but=self.strategy.holds_back),
+                                        version=self.version)
 
     def _over(self) -> bool:
         """Whether the run has made its last version (a push that comes now is not stepped

@@ -67,9 +67,9 @@ class Intake:
         self._not_finite: dict[int, int] = {}  # rank -> non-finite updates in a row
 
     async def take(self, peer: bytes, member: Member, message: Push, now: float, *,
-                   members: list[int], shelf: Shelf | None, stopping: bool,
+                   members: Callable[[], list[int]], shelf: Shelf | None, stopping: bool,
                    over: Callable[[], bool]) -> Taken:
-        """Judge `member`'s push and record what became of it. `members`: the live ranks;
+        """Judge `member`'s push and record what became of it. `members()`: the live ranks;
         `over`: whether the run has made its last version (its buffers are not taken)."""
         rank, stepper = member.rank, self._stepper
         fold = (stepper.fold_for(rank, message, quorum=self._strategy.quorum(), members=members)

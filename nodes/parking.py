@@ -67,6 +67,11 @@ class Parking:
     def __iter__(self) -> Iterator[int]:
         return iter(list(self._parked))
 
+    def pushes(self, *, but: Callable[[int], bool]) -> list[int]:
+        """The ranks whose parked request is a Push, but those for which `but` holds (the
+        ones the strategy holds back still)."""
+        return [rank for rank, parked in self._parked.items() if parked.push and not but(rank)]
+
     async def release(self, ranks: Iterable[int], *, version: int, stop: Stop | None = None) -> None:
         """Answer the requests of `ranks` held back: with an Ack of `version`, or `stop`."""
         now = self._clock.monotonic()

@@ -120,17 +120,18 @@ class Stepper:
             master.adopt(into)
 
     def fold_for(self, rank: int, message: Push, *, quorum: int | None,
-                 members: Sequence[int]) -> Fold | None:
+                 members: Callable[[], Sequence[int]]) -> Fold | None:
         """The fold to fold this push into now (made if need be), or None: it is not a
         dense plain SGD step's, of the version being made, next in rank order (of the
-        live `members`; `quorum`: the updates the step averages)."""
+        live ranks `members()` gives, asked only here; `quorum`: the updates the step
+        averages)."""
         lr, version = self.master.plain_lr(), self._version()
         if lr is None or quorum is None or not self.master.into_spare(lr) or message.version != version:
             return None
         alpha = step_alpha(lr, 1.0, quorum)  # as the step's (sync's scale is 1)
         if self.fold is not None and (self.fold.version != version or self.fold.alpha != alpha):
             self.let_go_of_fold()  # of an older version, or the quorum changed
-        if not next_to_fold(self.fold.ranks if self.fold else [], rank, members):
+        if not next_to_fold(self.fold.ranks if self.fold else [], rank, members()):
             return None  # (a set is taken only once there is something to fold into it)
         if self.fold is None:
             self.fold = Fold(version, alpha, self.master.spare())

@@ -3,8 +3,8 @@ the step made at the end, whatever the order pushes come in, and a push that is 
 is still dropped, with the fold as it was before it.
 
 Unit: `Fold` on its own. Integration: a coordinator and two workers in one loop over real
-ZeroMQ, trained with folding and without it (the coordinator's `_fold_for` answering
-None), the versions compared bit for bit.
+ZeroMQ, trained with folding and without it (the coordinator's `stepper.fold_for`
+answering None), the versions compared bit for bit.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_a_fold_that_a_step_took_while_it_waited_for_the_lock_is_left_alone() ->
         await asyncio.sleep(0)
         push = Push(sender=0, request=1, version=0, tensors=pushes[0], clock=0, loss=1.0, samples=1)
         fold_ = coordinator.stepper.fold_for(0, push, quorum=coordinator.strategy.quorum(),
-                                             members=[0, 1, 2])
+                                             members=lambda: [0, 1, 2])
         assert fold_ is not None
         folding = asyncio.ensure_future(coordinator.stepper.fold_in(fold_, 0, push))
         await asyncio.sleep(0)
