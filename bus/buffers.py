@@ -38,10 +38,10 @@ class SendBuffers:
                  reused: Callable[[tuple[torch.Tensor, ...]], None] | None = None,
                  dropped: Callable[[tuple[torch.Tensor, ...]], None] | None = None) -> None:
         """`held`, if given, says whether someone other than a send still reads a released
-        set (a colocated worker computing on it: see nodes.handover); such a set stays out
+        set (a colocated worker computing on it: see nodes.colocated_sets); such a set stays out
         of the pool until it is let go of too. `reused` is called with a set about to be
         written again, and `dropped` with one the pool lets go of (sets in shared memory
-        that workers read by reference: bus.shared.Gallery); with `reused`, a set is reused
+        that workers read by reference: bus.shared.SharedWeightPool); with `reused`, a set is reused
         only while `keep` others are free, the one released longest ago first, so that
         readers have the most time (a few versions) before it changes, and twice as many
         are kept free before one is let go of (a set made anew costs its readers a new

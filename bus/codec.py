@@ -19,7 +19,7 @@ Neither direction copies tensor bytes:
   (see `bus.buffers`).
 - `decode` returns tensors made by `torch.frombuffer` over the received frames; they share
   the frames' memory and keep them alive for as long as they live. A tensor by reference
-  is a read-only view of the sender's segment (`bus.shared.Shelf`): the sender's memory,
+  is a read-only view of the sender's segment (`bus.shared.SegmentCache`): the sender's memory,
   which a worker does not write until its coordinator is done with a push, and which a
   reader of weights checks it copied whole (the rules in `bus.shared`). A tensor of more than
   one frame comes back as `bus.pieces.Pieces`, one 1-D tensor a frame.
@@ -49,7 +49,7 @@ from tensorbus.bus.errors import (
 from tensorbus.bus.layout import Layout
 from tensorbus.bus.messages import PROTOCOL_VERSION, SCHEMA, Kind, Message
 from tensorbus.bus.pieces import Pieces, Received
-from tensorbus.bus.shared import Ref, SharedTensorError, Shelf
+from tensorbus.bus.shared import Ref, SegmentCache, SharedTensorError
 
 # The dtypes a tensor frame may have; anything else is refused before it is read.
 DTYPES: Final[dict[str, torch.dtype]] = {
@@ -135,7 +135,7 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
 def _chunk(nbytes: int, chunk_bytes: int, itemsize: int) -> int:
     """The chunk of a tensor of `nbytes`: `chunk_bytes` in whole elements, so that each
     frame is a tensor of its own; or, where the last frame would be copied for its small
-    size (a colocated worker computes on its shard's frames in place: nodes.handover),
+    size (a colocated worker computes on its shard's frames in place: nodes.colocated_sets),
     as even a cut into as many frames."""
     chunk = max(chunk_bytes // itemsize, 1) * itemsize
     if chunk >= SMALL_FRAME and 0 < nbytes % chunk < SMALL_FRAME and nbytes > chunk:
@@ -149,10 +149,10 @@ def decode(
     *,
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     layout: Layout | None = None,
-    shelf: Shelf | None = None,
+    segments: SegmentCache | None = None,
 ) -> Message:
     """Validate frames and build the message; raise a WireError subclass if anything is off.
-    Tensors by reference are read through `shelf`; without one, they are refused."""
+    Tensors by reference are read through `segments`; without one, they are refused."""
     if not frames:
         raise MalformedHeaderError("no frames")
     header = _unpack_header(frames[0])
@@ -162,7 +162,7 @@ def decode(
     request = request if type(request) is int and 0 <= request <= _INT64_MAX else 0
     try:
         _check_header(header)
-        return _decode(header, frames, max_bytes, layout, shelf)
+        return _decode(header, frames, max_bytes, layout, segments)
     except WireError as e:
         e.request = request  # so that the Reject reaches the request that waits for it
         raise
@@ -170,7 +170,7 @@ def decode(
 
 def _decode(
     header: dict[str, Any], frames: Sequence[Buffer], max_bytes: int, layout: Layout | None,
-    shelf: Shelf | None,
+    segments: SegmentCache | None,
 ) -> Message:
     kind = _kind(header)
     cls, own_fields = SCHEMA[kind]
@@ -210,14 +210,14 @@ def _decode(
     first = 1
     for spec in specs:
         if spec.ref is not None:
-            if shelf is None:
+            if segments is None:
                 raise SharedTensorError("a tensor by reference (shared memory), which this node "
                                         "does not take: send the bytes")
             if kind not in (Kind.PUSH, Kind.WEIGHTS) or not spec.dtype.is_floating_point:
                 raise SharedTensorError(f"a {spec.dtype} tensor by reference in a {kind.name}: "
                                         "only the float tensors of a push or of weights may "
                                         "come by reference")
-            tensors.append(shelf.view(spec.ref, spec.nbytes, spec.dtype).view(spec.shape))
+            tensors.append(segments.view(spec.ref, spec.nbytes, spec.dtype).view(spec.shape))
             continue
         tensors.append(_tensor(frames[first : first + spec.frames], spec))
         first += spec.frames
@@ -298,7 +298,7 @@ class _Spec:
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, chunk: int,
                  ref: object = None) -> None:
         self.dtype, self.shape, self.nbytes, self.chunk = dtype, shape, nbytes, chunk
-        self.ref = ref  # [segment, offset] of a tensor by reference, checked by the Shelf
+        self.ref = ref  # [segment, offset] of a tensor by reference, checked by the SegmentCache
         self.frames = max(-(-nbytes // chunk), 1) if ref is None else 0
 
     def frame_bytes(self, j: int) -> int:

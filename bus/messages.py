@@ -122,7 +122,7 @@ class Join(Message):
     rank: int = -1  # the rank asked for; -1: any free one
     layout: str = ""  # digest of the worker's model layout; must equal the coordinator's
     build: str = ""  # the tensorbus release of the worker
-    shared: str = ""  # its bus.shared.Probe's offer: it would push by reference ("": not)
+    shared: str = ""  # its bus.shared.HostToken's offer: it would push by reference ("": not)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +143,7 @@ class Welcome(Message):
     lr: float  # for a worker that owns its optimizer and the SPEC gives none
     position: int = 0  # batches of its shard this rank had used (after a restart), to skip
     compress: str = ""  # how to push gradients: bus.layout.Compression ("": as they are)
-    # It takes tensors by reference and saw the Join's probe: its own Probe's offer ("": not).
+    # It takes tensors by reference and saw the Join's host token: its own HostToken's offer ("": not).
     shared: str = ""
     seed: int = 0  # the run's --seed: a worker seeds its random generators from it and its rank
     # A worker that steps its own weights (average) clips its gradient to this norm first
@@ -199,7 +199,7 @@ class Weights(Message):
     CARRIES_STATE = True
     TENSORS_OPTIONAL = True  # none: "you have the newest", the answer to a Pull of it
     # Broadcast by reference to a worker of the coordinator's host: the generation of the
-    # shared set the tensors lie in, as published (bus.shared.Gallery); otherwise 0.
+    # shared set the tensors lie in, as published (bus.shared.SharedWeightPool); otherwise 0.
     generation: int = 0
 
 

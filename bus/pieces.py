@@ -67,7 +67,7 @@ def whole(tensor: Received) -> torch.Tensor:
 
 def copy_into(flat: torch.Tensor, tensor: Received) -> None:
     """flat[:] = tensor, where `flat` is 1-D with the tensor's number of elements. A part
-    that already lies where it would be copied to is left as it is (see nodes.handover)."""
+    that already lies where it would be copied to is left as it is (see nodes.colocated_sets)."""
     for offset, part in spans(tensor):
         place = flat[offset : offset + part.numel()]
         if place.data_ptr() != part.data_ptr():

@@ -4,13 +4,13 @@ Over tcp:// between two processes of one host, every byte of a push is copied tw
 kernel (into the socket and out of it), on the cores that training needs too: with 2
 colocated workers and the 10M-parameter MLP, 20 MB each way a version. A worker whose
 coordinator sees the same /dev/shm keeps its gradient buffers in shared memory instead
-(`Arena`), and a push names where each tensor lies, [segment, offset], in place of its
-bytes (`bus.codec`); the coordinator maps the segment once (`Shelf`) and reads the gradient
+(`SharedAllocator`), and a push names where each tensor lies, [segment, offset], in place of its
+bytes (`bus.codec`); the coordinator maps the segment once (`SegmentCache`) and reads the gradient
 where backward wrote it.
 
 Same host, proven both ways: a worker names a small segment of its own and the random
-token in it in its Join (`Probe`); a coordinator that reads that token there, and takes
-tensors by reference, answers with its own probe in its Welcome; a worker sends by
+token in it in its Join (`HostToken`); a coordinator that reads that token there, and takes
+tensors by reference, answers with its own host token in its Welcome; a worker sends by
 reference only to a coordinator whose token it reads in turn. Each side has then opened a
 file of the other's, as segments will be opened.
 
@@ -33,7 +33,7 @@ once; so a coordinator copies a joining worker's held push out of its segment be
 welcomes it (`Coordinator._join`).
 
 Weights go the other way by reference too: a coordinator makes its versions in sets of a
-`Gallery` (shared memory) and broadcasts to the workers of its host where the new version
+`SharedWeightPool` (shared memory) and broadcasts to the workers of its host where the new version
 lies, under a topic of its own (`bus.transport`), not its bytes. A version's readers are
 not counted: the pool writes a set again only some versions after it was published
 (`bus.buffers.SendBuffers` with `reused`), bumping its generation counter first, and a
@@ -48,7 +48,7 @@ only from its coordinator, only in Weights; only for float tensors, only from re
 of its own user named as here, and only for bytes inside them. A sender may still change
 its bytes after they were checked: on one host as one user, it could as well write the coordinator's memory.
 
-Lifetime: the creator of a segment unlinks its file when it closes the arena, or at exit.
+Lifetime: the creator of a segment unlinks its file when it closes its allocator, or at exit.
 A creator killed (SIGKILL, a crash, a whole cluster at once) cannot: its files are found
 and unlinked by the next tensorbus process of this user that `sweep`s, as every node does
 when it starts, a coordinator when a worker is lost, a worker when it ends and a launcher
@@ -56,9 +56,9 @@ when a child fails. A
 segment's name holds its creator's pid and start time, so that a creator that is gone is
 told from a process that took its pid since. A mapping stays valid after the unlink for as
 long as tensors over it live. A receiver keeps the segments it used last mapped, a few per
-worker (`Shelf(kept)`), so that those of workers gone are let go of.
+worker (`SegmentCache(kept)`), so that those of workers gone are let go of.
 
-Where /dev/shm is missing, full or too small, `Arena.allocate` raises OSError (the space is
+Where /dev/shm is missing, full or too small, `SharedAllocator.allocate` raises OSError (the space is
 reserved with posix_fallocate, so that a full /dev/shm fails there, not with a SIGBUS on a
 later write) and the worker sends the bytes, as over any other link.
 """
@@ -192,7 +192,7 @@ def _unlink(name: str, creator: int) -> None:
         pass
 
 
-class Arena:
+class SharedAllocator:
     """Buffer sets in shared memory, one segment a set, and where a tensor lies in them."""
 
     def __init__(self) -> None:
@@ -217,7 +217,7 @@ class Arena:
                      for at, (numel, dtype) in zip(offsets, buckets, strict=True))
 
     def locate(self, tensor: torch.Tensor) -> Ref | None:
-        """[segment, offset] of a contiguous tensor that lies in this arena, else None."""
+        """[segment, offset] of a contiguous tensor that lies in this allocator's segments, else None."""
         first = tensor.data_ptr()
         end = first + tensor.numel() * tensor.element_size()
         for start, stop, name in self._spans:
@@ -239,21 +239,21 @@ class Arena:
         self._segments, self._spans = [], []
 
 
-class Gallery:
+class SharedWeightPool:
     """Weight sets in shared memory that a coordinator publishes by reference to the
     workers of its host, each with a generation number in its segment's first page.
 
     The coordinator writes a published set again only after taking it back from its pool
     (`bus.buffers.SendBuffers`), which `bump`s its generation first; a broadcast names the
     generation the set had when it went out. A reader copies the weights, then reads the
-    generation (`Shelf.generation`): the same, and no write of the set had begun before its
+    generation (`SegmentCache.generation`): the same, and no write of the set had begun before its
     last read, so the copy is whole; another, and it is thrown away (`nodes.version_chain`). That
     inference needs stores seen in the order they were made, and loads made in order, as
-    x86-64 guarantees (TSO); elsewhere `Gallery.usable()` is False and weights go as bytes.
+    x86-64 guarantees (TSO); elsewhere `SharedWeightPool.usable()` is False and weights go as bytes.
     """
 
     def __init__(self) -> None:
-        self._arena = Arena()
+        self._shm = SharedAllocator()
         self._counters: dict[str, torch.Tensor] = {}  # segment name -> its set's counter
         self._full = False  # /dev/shm could not hold a set (said once)
         self._open = False  # (see open)
@@ -265,8 +265,8 @@ class Gallery:
     def allocate(self, buckets: Sequence[tuple[int, torch.dtype]]) -> tuple[torch.Tensor, ...]:
         """Zeroed 1-D tensors of (numel, dtype) in one new segment, after its counter;
         OSError if /dev/shm cannot hold them."""
-        counter, *tensors = self._arena.allocate([(1, torch.int64), *buckets])
-        ref = self._arena.locate(counter)
+        counter, *tensors = self._shm.allocate([(1, torch.int64), *buckets])
+        ref = self._shm.locate(counter)
         assert ref is not None
         self._counters[str(ref[0])] = counter
         return tuple(tensors)
@@ -291,7 +291,7 @@ class Gallery:
         return allocate
 
     def locate(self, tensor: torch.Tensor) -> Ref | None:
-        return self._arena.locate(tensor)
+        return self._shm.locate(tensor)
 
     def generation(self, tensors: Sequence[torch.Tensor]) -> int | None:
         """The generation of the set that `tensors` (the set, or a range of it) lie in;
@@ -311,7 +311,7 @@ class Gallery:
         reader that mapped it keeps it, and no broadcast names it again)."""
         name = self._segment(tensors)
         if name is not None:
-            self._arena.unlink(name)
+            self._shm.unlink(name)
             self._counters.pop(name, None)
 
     def _counter(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -320,11 +320,11 @@ class Gallery:
 
     def _segment(self, tensors: Sequence[torch.Tensor]) -> str | None:
         """The name of the segment the set that `tensors` begin lies in, if one of ours."""
-        ref = self._arena.locate(tensors[0]) if tensors else None
+        ref = self._shm.locate(tensors[0]) if tensors else None
         return str(ref[0]) if ref is not None else None
 
     def open(self) -> None:
-        """From now on `allocator`'s sets lie here: a coordinator opens its gallery when it
+        """From now on `allocator`'s sets lie here: a coordinator opens its pool when it
         runs, so that one made and never run holds no segment."""
         self._open = True
 
@@ -332,11 +332,11 @@ class Gallery:
         """Unlink every segment (sets over them stay valid while they are used); sets
         allocated after this are private memory."""
         self._open = False
-        self._arena.close()
+        self._shm.close()
         self._counters.clear()
 
 
-class Shelf:
+class SegmentCache:
     """The segments a receiver reads tensors from: mapped read-only on first use, the
     `kept` used last kept mapped."""
 
@@ -345,7 +345,7 @@ class Shelf:
         self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def holds(self, tensor: object) -> bool:
-        """Whether `tensor` was read through this shelf (lies in a segment it mapped)."""
+        """Whether `tensor` was read through this cache (lies in a segment it mapped)."""
         if not isinstance(tensor, torch.Tensor):
             return False
         base = tensor.untyped_storage().data_ptr()
@@ -353,8 +353,8 @@ class Shelf:
 
     @staticmethod
     def generation(tensor: torch.Tensor) -> int | None:
-        """The generation counter of the `Gallery` segment that `tensor`, read through a
-        shelf, lies in (its first eight bytes: a view's storage is the whole mapping),
+        """The generation counter of the `SharedWeightPool` segment that `tensor`, read through a
+        segment cache, lies in (its first eight bytes: a view's storage is the whole mapping),
         read now; None if that storage is too small to hold one."""
         storage = tensor.untyped_storage()
         if storage.nbytes() < 8:
@@ -416,7 +416,7 @@ def _open(name: str) -> tuple[int, int]:
     return fd, info.st_size
 
 
-class Probe:
+class HostToken:
     """A proof of which /dev/shm a node sees: a small segment with a random token. Its
     `offer` goes in a Join or a Welcome; `seen(offer)`, at the other end, says whether
     that node sees the same."""

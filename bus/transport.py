@@ -15,7 +15,7 @@ until the receiver lets go of it, so the zero-copy rules of `bus.buffers` reach 
 Every broadcast begins with a topic frame, which SUB filters on: `TOPIC_ALL` for what every
 worker takes (heartbeats, Changes, Stop), and a version's whole weights twice, as bytes
 (`TOPIC_WEIGHTS`) and for workers of the coordinator's host as references to its shared memory
-(`TOPIC_SHARED`: bus.shared.Gallery). A worker subscribes to one of the two; PUB sends a
+(`TOPIC_SHARED`: bus.shared.SharedWeightPool). A worker subscribes to one of the two; PUB sends a
 message only to subscribers of its topic, so one that nobody wants costs no bytes. It would
 still cost the coordinator the message's encoding and the making and dropping of its
 zero-copy frames, a measurable part of its event loop's time a version at 1M parameters

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tensorbus.bus.clock import Clock
 from tensorbus.bus.messages import BUILD, Join, RejectCode, Welcome
-from tensorbus.bus.shared import Probe
+from tensorbus.bus.shared import HostToken
 from tensorbus.nodes.config import CoordinatorConfig
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.shards import ShardModel
@@ -55,16 +55,16 @@ def refusal(join: Join, *, layout: str, model: object) -> Refusal | None:
 
 def welcome(join: Join, rank: int, *, strategy: Strategy, config: CoordinatorConfig,
             world_size: int, pub_port: int, lr: float, position: int,
-            probe: Probe | None) -> Welcome:
+            host_token: HostToken | None) -> Welcome:
     """The Welcome of worker `rank`, admitted for `join` (its weights go with it, sent by
-    nodes.publisher). `probe`: ours, offered to a worker of this host (bus.shared)."""
+    nodes.publisher). `host_token`: ours, offered to a worker of this host (bus.shared)."""
     rhythm = strategy.rhythm
     return Welcome(
         request=join.request, rank=rank, world_size=world_size, strategy=strategy.name,
         push=rhythm.push.value, local_steps=rhythm.local_steps, wait=rhythm.wait.value,
         batch_size=config.batch_size, pub_port=pub_port, heartbeat_s=config.heartbeat_s,
         timeout_s=config.timeout_s, lr=lr, position=position, compress=config.compress,
-        shared=(probe.offer if probe is not None and join.shared and Probe.seen(join.shared)
+        shared=(host_token.offer if host_token is not None and join.shared and HostToken.seen(join.shared)
                 else ""),
         seed=config.seed, clip_grad_norm=config.clip_grad_norm or 0.0,
         precision=config.precision,

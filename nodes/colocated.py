@@ -5,7 +5,7 @@ worker process runs, on one event loop, a `Coordinator` over its range (a `Shard
 a `Worker` that pushes every shard its range and loads every shard's weights, as with any
 sharded parameter server. The worker reaches the shard beside it in-process (inproc over
 a shared `bus.transport.Hub`: no TCP, no copy), the others over TCP; and its model computes
-on the buffers the shard made its range's newest version in (`nodes.handover`: no copy).
+on the buffers the shard made its range's newest version in (`nodes.colocated_sets`: no copy).
 
 What it buys: each process sends (N-1)/N of a model's gradient and (N-1)/N of its weights
 per step, and receives as much: the bytes of a ring all-reduce, where a central coordinator
@@ -30,14 +30,14 @@ from torch import nn
 
 from tensorbus.bus.buffers import SendBuffers
 from tensorbus.bus.layout import Layout
-from tensorbus.bus.shared import Gallery
+from tensorbus.bus.shared import SharedWeightPool
 from tensorbus.bus.transport import Hub
+from tensorbus.nodes.colocated_sets import ColocatedSets
 from tensorbus.nodes.config import CoordinatorConfig, WorkerConfig
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.nodes.evalpoints import Evaluate
-from tensorbus.nodes.handover import Handover
 from tensorbus.nodes.link import RunFailedError
-from tensorbus.nodes.master import shared_pool, weights_gallery
+from tensorbus.nodes.master import shared_version_sets, shared_weight_pool
 from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.nodes.schedules import SchedulerFactory
 from tensorbus.nodes.shards import ShardModel
@@ -89,26 +89,27 @@ class Colocated:
         try:
             shard = ShardModel(model, index, count)
             layout = Layout.of(model.named_parameters())
-            self.handover: Handover | None = None
+            self.colocated_sets: ColocatedSets | None = None
             pool: SendBuffers | None = None
-            gallery: Gallery | None = None
+            shared_pool: SharedWeightPool | None = None
             if strategy.rhythm.push is PushKind.GRADIENT:
                 # Where the worker pushes gradients (it never writes its weights), the
                 # shard makes its versions in ranges of whole-model sets that the worker's
-                # model then computes on, without copying the range (see nodes.handover);
+                # model then computes on, without copying the range (see nodes.colocated_sets);
                 # sets in shared memory, where the workers of the other processes of this
-                # host read the range where it lies (bus.shared.Gallery).
-                gallery = weights_gallery(config)
-                self.handover = Handover(layout, shard.shard, index, allocate=(
-                    gallery.allocator(layout.sizes(), layout.allocate) if gallery else None))
-                pool = (shared_pool(self.handover.allocate, gallery, held=self.handover.held)
-                        if gallery is not None
-                        else SendBuffers(self.handover.allocate, held=self.handover.held))
+                # host read the range where it lies (bus.shared.SharedWeightPool).
+                shared_pool = shared_weight_pool(config)
+                self.colocated_sets = ColocatedSets(layout, shard.shard, index, allocate=(
+                    shared_pool.allocator(layout.sizes(), layout.allocate) if shared_pool else None))
+                pool = (shared_version_sets(self.colocated_sets.allocate, shared_pool,
+                                            held=self.colocated_sets.held)
+                        if shared_pool is not None
+                        else SendBuffers(self.colocated_sets.allocate, held=self.colocated_sets.held))
             self.coordinator = Coordinator(
                 model=shard, strategy=strategy, config=config,
                 optimizer=optimizer, lr=lr, on_step=on_step, hub=self.hub, pool=pool,
                 scheduler=scheduler,
-                gallery=gallery,
+                shared_pool=shared_pool,
                 # The whole model is the worker's, and it holds the final weights by then.
                 evaluate=(lambda _: evaluate(model)) if evaluate is not None else None,
             )
@@ -140,7 +141,7 @@ class Colocated:
             endpoints[self.index] = self.coordinator.inproc_endpoint
             self.worker = Worker(model=self._model, data=self._data, loss=self._loss,
                                  config=replace(worker, connect=endpoints, rank=self.index),
-                                 optimizer=self._optimizer, hub=self.hub, handover=self.handover,
+                                 optimizer=self._optimizer, hub=self.hub, colocated_sets=self.colocated_sets,
                                  scheduler=self._scheduler)
             training = asyncio.create_task(self.worker.run())
             # Evaluated once our worker is done: it then holds every shard's final weights.

@@ -54,7 +54,7 @@ from tensorbus.bus.messages import (
     Weights,
 )
 from tensorbus.bus.pieces import Received
-from tensorbus.bus.shared import Gallery, Probe, SharedTensorError, Shelf, sweep
+from tensorbus.bus.shared import HostToken, SegmentCache, SharedTensorError, SharedWeightPool, sweep
 from tensorbus.bus.transport import (
     Hub,
     ServerFactory,
@@ -75,7 +75,7 @@ from tensorbus.nodes.failures import (
 )
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.intake import DIVERGED_AFTER, Held, Intake
-from tensorbus.nodes.master import Master, version_sets, weights_gallery
+from tensorbus.nodes.master import Master, shared_weight_pool, version_sets
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.model_buffers import ServedBuffers
@@ -144,7 +144,7 @@ class Coordinator:
         on_step: Callable[[Progress], None] | None = None,
         hub: Hub | None = None,
         pool: SendBuffers | None = None,
-        gallery: Gallery | None = None,
+        shared_pool: SharedWeightPool | None = None,
         transport: ServerFactory = ZmqServer,
         clock: Clock = SYSTEM_CLOCK,
         scheduler: SchedulerFactory | None = None,
@@ -152,9 +152,9 @@ class Coordinator:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
         (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
         sets versions are made and published in (by default its own; a colocated shard's
-        are shared with its worker: nodes.handover). `gallery`: where the given pool's
+        are shared with its worker: nodes.colocated_sets). `shared_pool`: where the given pool's
         sets lie in shared memory (without a pool, with `config.shared_memory`, this
-        coordinator's own sets do: bus.shared.Gallery); it is closed when the run ends.
+        coordinator's own sets do: bus.shared.SharedWeightPool); it is closed when the run ends.
         `transport` makes the sockets (bus.memory's for one-loop tests); `clock` is read
         for every deadline and record (bus.clock). `scheduler`: the SPEC's, stepped here on
         the optimizer that steps the versions (nodes.schedules); under average each worker
@@ -194,8 +194,8 @@ class Coordinator:
         self._evals = EvalPoints(config.eval_every_s, evaluate,
                                  every_epochs=config.eval_every_epochs)
         # Versions made in shared memory, which workers of this host read where they lie.
-        self._gallery = gallery if pool is not None else weights_gallery(config)
-        sets = pool if pool is not None else version_sets(self.flat.layout, self._gallery)
+        self._shared_pool = shared_pool if pool is not None else shared_weight_pool(config)
+        sets = pool if pool is not None else version_sets(self.flat.layout, self._shared_pool)
         stepped = (master_optimizer(model.parameters(), strategy, optimizer, lr)
                    if self._STEPS else None)
         self.master = Master(self.flat, stepped, sets, compression=compression,
@@ -215,8 +215,8 @@ class Coordinator:
         self._server: ServerTransport | None = None
         # Workers on this host push by reference (bus.shared): the proof of our /dev/shm
         # we offer them, and the segments of theirs we read from.
-        self._probe: Probe | None = None
-        self._shelf: Shelf | None = None
+        self._host_token: HostToken | None = None
+        self._segments: SegmentCache | None = None
         self._started_at = 0.0
         self._errors: list[str] = []  # why workers left with an error, for the final message
         self._background: asyncio.Task[None] | None = None  # a stop under way
@@ -273,14 +273,14 @@ class Coordinator:
                     # A few segments a worker: those of workers gone are let go of.
                     kept = 2 * (self.config.max_workers or self.strategy.workers) + 2
                     sweep()  # segments of killed processes: nobody else would unlink them
-                    self._probe, self._shelf = Probe(), Shelf(kept)
+                    self._host_token, self._segments = HostToken(), SegmentCache(kept)
                 except OSError as e:
                     log.info("workers on this host push bytes, not references: no shared "
                              "memory here (%s)", e)
             self._publisher = Publisher(
                 self.master, self._server, step_lock=self._step_lock, clock=self._clock,
-                heartbeat_s=self.config.heartbeat_s, metrics=self.metrics, gallery=self._gallery,
-                probe=self._probe, version=lambda: self.version,
+                heartbeat_s=self.config.heartbeat_s, metrics=self.metrics, shared_pool=self._shared_pool,
+                host_token=self._host_token, version=lambda: self.version,
                 stopping=lambda: self._ending.stopping,
                 buffers=self._buffers.published,
                 background=lambda c: asyncio.create_task(self._guard(c)))
@@ -293,10 +293,10 @@ class Coordinator:
         first shard of a sharded server, the other shards' runs, so that the model
         `evaluate` assembles holds every shard's final weights."""
         self.bind()
-        if self._gallery is not None:
+        if self._shared_pool is not None:
             # Sets in shared memory from now on (until the run ends), the first version's
             # too (a relay publishes copies of its master, not the master: see _ALIAS).
-            self._gallery.open()
+            self._shared_pool.open()
             if self.master.alias:
                 self.flat.rebind(self.master.copy())
         done = self._ending.begin()
@@ -308,8 +308,8 @@ class Coordinator:
                     self.version = resumed
             await self._published.publish()
         except BaseException:
-            if self._gallery is not None:
-                self._gallery.close()
+            if self._shared_pool is not None:
+                self._shared_pool.close()
             raise
         tasks = [asyncio.create_task(self._guard(c)) for c in (self._receive(), self._tick())]
         try:
@@ -327,10 +327,10 @@ class Coordinator:
             if self._server.rejected:  # CURVE handshakes of unlisted keys, or none
                 self.metrics.rejected["handshake"] = self._server.rejected
             self._server.close()
-            if self._probe is not None:
-                self._probe.close()
-            if self._gallery is not None:
-                self._gallery.close()
+            if self._host_token is not None:
+                self._host_token.close()
+            if self._shared_pool is not None:
+                self._shared_pool.close()
             self.watch.close()
         if self._ending.failure is not None:
             self.metrics.close()
@@ -413,7 +413,7 @@ class Coordinator:
             try:
                 # Tensors by reference only from members (bus.shared: the trust it needs).
                 message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout,
-                                 shelf=self._shelf if member else None)
+                                 segments=self._segments if member else None)
             except WireError as e:
                 code, detail = e.code, str(e)[:1000]
                 if isinstance(e, SharedTensorError) and not member:
@@ -505,15 +505,15 @@ class Coordinator:
         welcome = admission.welcome(
             message, admitted.rank, strategy=self.strategy, config=self.config,
             world_size=self._members.world_size, pub_port=self._server.pub_port, lr=self.lr,
-            position=self._length.positions.get(admitted.rank, 0), probe=self._probe)
-        self._intake.copy_held(admitted.rank, self._shelf)
+            position=self._length.positions.get(admitted.rank, 0), host_token=self._host_token)
+        self._intake.copy_held(admitted.rank, self._segments)
         await self._published.refresh()
         await self._published.send(peer, welcome)
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
         taken = await self._intake.take(
             peer, member, message, now, members=lambda: [m.rank for m in self._members],
-            shelf=self._shelf, stopping=self._ending.stopping, over=self._over)
+            segments=self._segments, stopping=self._ending.stopping, over=self._over)
         decisions, dropped = taken.decisions, taken.dropped
         if dropped == DropReason.PAST_EPOCHS.value:
             # Answered once the run's length is known (_know_length), not computed on again
@@ -539,7 +539,7 @@ class Coordinator:
                                  and self.strategy.holds_back(d.worker)]
                     stepped = True
                 else:
-                    self._intake.copy_held(member.rank, self._shelf)
+                    self._intake.copy_held(member.rank, self._segments)
             if stepped and self._ending.stopping:  # (the last step)
                 await self._reply(peer, self._ending.answer(message.request, self.version))
             else:
@@ -774,7 +774,7 @@ class Coordinator:
                                phase=member.phase, clock=member.clock, why=why,
                                train_s=round(self.metrics.train_s(), 6))
             log.warning("%s %s", member.describe(), why)
-            if self._shelf is not None:  # a killed worker's segments: unlinked by nobody else
+            if self._segments is not None:  # a killed worker's segments: unlinked by nobody else
                 sweep()
         else:
             log.log(logging.WARNING if warn else logging.INFO, "%s %s", member.describe(), why)

@@ -7,8 +7,8 @@ where another made them, instead of copying them in:
   computes on the newest version in the coordinator's shared set (`follow_set`), and
   computes again, on a copy, if that set was written meanwhile (`redo`).
 - A colocated coordinator shard (nodes.colocated), which makes its versions in weight sets
-  of the whole model (nodes.handover): the model is bound to the set holding the version
-  it loads (`follow_handover`, `bind`).
+  of the whole model (nodes.colocated_sets): the model is bound to the set holding the version
+  it loads (`follow_colocated_sets`, `bind`).
 
 `InPlace` owns that binding and the back-off that follows a redo (COPY_AFTER_REDO).
 """
@@ -23,8 +23,8 @@ import torch
 
 from tensorbus.bus.layout import Shard
 from tensorbus.bus.messages import Weights
+from tensorbus.nodes.colocated_sets import ColocatedSets
 from tensorbus.nodes.flat import FlatModel
-from tensorbus.nodes.handover import Handover
 from tensorbus.nodes.link import Link
 from tensorbus.nodes.version_chain import PendingVersion
 
@@ -48,14 +48,14 @@ class OnSet:
 
 class InPlace:
     def __init__(self, flat: FlatModel, links: list[Link], shards: list[Shard],
-                 handover: Handover | None) -> None:
-        """`handover`: the colocated shard's weight sets (on the CPU only), if any."""
+                 colocated_sets: ColocatedSets | None) -> None:
+        """`colocated_sets`: the colocated shard's weight sets (on the CPU only), if any."""
         self._flat = flat
         self._links = links
         self._shards = shards
-        self.handover = handover
+        self.colocated_sets = colocated_sets
         self.own = flat.weights  # the model's private buffers
-        self.sharing = False  # this session binds the model to the handover's sets
+        self.sharing = False  # this session binds the model to the colocated sets
         self.follows_sets = False  # this session may compute on a coordinator's sets
         self.on_set: OnSet | None = None  # the coordinator's set the model computes on now
         self._copying = 0  # computes left that copy their weights in (COPY_AFTER_REDO)
@@ -68,7 +68,7 @@ class InPlace:
         a compute), or back to its own buffers for a version that comes otherwise.
 
         The coordinator does not know that the set is read: its pool writes a set again
-        some versions after publishing it (bus.shared, Gallery), bumping its counter first.
+        some versions after publishing it (bus.shared, SharedWeightPool), bumping its counter first.
         The compute reads the counter again once the gradient is made, before it is made
         ready to push (LocalSteps.compute): moved, and the gradient is thrown away and
         computed again (`redo`). The set is mapped read-only here: nothing in the worker
@@ -130,26 +130,26 @@ class InPlace:
         self._backoff = self._copying = min(max(2 * self._backoff, first), most)
         self.leave_set(keep=True)
 
-    def follow_handover(self, latest: list[PendingVersion | None]) -> None:
+    def follow_colocated_sets(self, latest: list[PendingVersion | None]) -> None:
         """Before loading `latest`, beside a colocated shard: bind the model to the set
         the shard made its newest version in (its range is then in place), or back to
-        its own buffers for anything else from that shard (see nodes.handover)."""
-        assert self.handover is not None
-        local = latest[self.handover.index]
+        its own buffers for anything else from that shard (see nodes.colocated_sets)."""
+        assert self.colocated_sets is not None
+        local = latest[self.colocated_sets.index]
         if local is None:
             return  # nothing new from the shard beside us: its range stays where it is
-        found = (self.handover.holding(local.weights.tensors)
+        found = (self.colocated_sets.holding(local.weights.tensors)
                  if local.weights is not None and not local.changes else None)
         self.bind(found if found is not None else self.own, latest)
 
     def bind(self, weights: tuple[torch.Tensor, ...],
              latest: list[PendingVersion | None] | None = None) -> None:
-        """Make `weights` (the model's own buffers, or a handover set) the model's, carrying
+        """Make `weights` (the model's own buffers, or a colocated set) the model's, carrying
         over every range that `latest` (nothing, if not given) does not load whole."""
         current = self._flat.weights
         if weights is current:
             return
-        assert self.handover is not None  # only the handover gives the model other sets
+        assert self.colocated_sets is not None  # only colocated sets give the model other sets
         with torch.no_grad():
             for i, shard in enumerate(self._shards):
                 newer = latest[i] if latest is not None else None
@@ -160,7 +160,7 @@ class InPlace:
         for link, shard in zip(self._links, self._shards, strict=True):
             link.versions.rebind(shard.take(weights))
         # Last: the shard may reuse the set we leave as soon as this says we left it.
-        self.handover.bind(None if weights is self.own else weights)
+        self.colocated_sets.bind(None if weights is self.own else weights)
 
     def forget_loaded(self) -> None:
         """On the loop, once the compute thread has loaded the newest weights: the links

@@ -22,7 +22,7 @@ from tensorbus.bus.clock import Clock
 from tensorbus.bus.errors import LayoutError
 from tensorbus.bus.messages import Push
 from tensorbus.bus.pieces import Received, all_finite
-from tensorbus.bus.shared import Shelf
+from tensorbus.bus.shared import SegmentCache
 from tensorbus.nodes import changes as changed
 from tensorbus.nodes.admission import Rejections
 from tensorbus.nodes.membership import Member
@@ -67,7 +67,7 @@ class Intake:
         self._not_finite: dict[int, int] = {}  # rank -> non-finite updates in a row
 
     async def take(self, peer: bytes, member: Member, message: Push, now: float, *,
-                   members: Callable[[], list[int]], shelf: Shelf | None, stopping: bool,
+                   members: Callable[[], list[int]], segments: SegmentCache | None, stopping: bool,
                    over: Callable[[], bool]) -> Taken:
         """Judge `member`'s push and record what became of it. `members()`: the live ranks;
         `over`: whether the run has made its last version (its buffers are not taken)."""
@@ -85,7 +85,7 @@ class Intake:
         counts["pushes"] += 1
         if message.overflows:
             counts["overflows"] = message.overflows
-        by_reference = bool(shelf is not None and message.tensors and shelf.holds(message.tensors[0]))
+        by_reference = bool(segments is not None and message.tensors and segments.holds(message.tensors[0]))
         if by_reference:
             counts["by_reference"] += 1
         self._watch.pushed(rank, message, self._clock.wall())
@@ -127,14 +127,14 @@ class Intake:
         self._metrics.max_clock_gap = max(self._metrics.max_clock_gap, self._strategy.clock_gap())
         return decisions
 
-    def copy_held(self, rank: int, shelf: Shelf | None) -> None:
+    def copy_held(self, rank: int, segments: SegmentCache | None) -> None:
         """Copy `rank`'s held push out of its shared memory, if it lies there: a worker that
         joins again computes before the step that holds its push (bus.shared, Ownership)."""
         held = self.held.get(rank)
-        if held is None or shelf is None or not any(map(shelf.holds, held.tensors)):
+        if held is None or segments is None or not any(map(segments.holds, held.tensors)):
             return
         # (Only what lies in its segment: frames are ours already.)
-        copied = tuple(t.clone() if isinstance(t, torch.Tensor) and shelf.holds(t) else t
+        copied = tuple(t.clone() if isinstance(t, torch.Tensor) and segments.holds(t) else t
                        for t in held.tensors)
         self.held[rank] = Held(copied, held.loss, held.samples)
         fold = self._stepper.fold

@@ -58,7 +58,7 @@ from tensorbus.bus.messages import (
     Welcome,
 )
 from tensorbus.bus.security import ClientKeys
-from tensorbus.bus.shared import Probe, Ref, Shelf
+from tensorbus.bus.shared import HostToken, Ref, SegmentCache
 from tensorbus.bus.transport import (
     HANDSHAKE_MECHANISM,
     HANDSHAKE_REFUSED,
@@ -72,7 +72,7 @@ from tensorbus.nodes.model_buffers import ModelBuffers
 from tensorbus.nodes.version_chain import VersionChain
 
 log = logging.getLogger("tensorbus.worker")
-_SETS_MAPPED = 16  # the coordinator's weight sets kept mapped (bus.shared.Gallery)
+_SETS_MAPPED = 16  # the coordinator's weight sets kept mapped (bus.shared.SharedWeightPool)
 JOIN_SAY_S = 10.0  # a join unanswered this long is said in the log, once
 
 
@@ -91,17 +91,17 @@ class Link:
         request_timeout_s: float,
         keys: ClientKeys | None = None,
         hub: Hub | None = None,
-        probe: str = "",
+        host_token: str = "",
         transport: ClientFactory = ZmqClient,
         clock: Clock = SYSTEM_CLOCK,
         model_buffers: ModelBuffers | None = None,
     ) -> None:
-        """`probe`: the worker's bus.shared.Probe offer, named in its Join ("": it pushes
+        """`host_token`: the worker's bus.shared.HostToken offer, named in its Join ("": it pushes
         bytes only). `transport` makes the sockets; `clock` is read for every deadline.
         `model_buffers`: where the buffers published with the weights are loaded (the
         link to the first shard's; None: the coordinator's buffers are not taken here)."""
         self.endpoint = endpoint
-        self._probe = probe
+        self._host_token = host_token
         self._hub = hub
         self._transport = transport
         self._clock = clock
@@ -119,9 +119,9 @@ class Link:
         self.request_timeout_s = request_timeout_s
         self._announced_port = 0  # the broadcast port the last Welcome named
         # The coordinator takes tensors by reference, and sees our /dev/shm (bus.shared):
-        # it also broadcasts its versions by reference, read through this shelf.
+        # it also broadcasts its versions by reference, read through this segment cache.
         self.shared = False
-        self._shelf: Shelf | None = None
+        self._segments: SegmentCache | None = None
         self.liveness = Liveness(owner, self.peer, clock, loaded=lambda: self.versions.version)
         self.versions = VersionChain(self.layout, weights, owner, self.peer,
                                                 self.liveness, self, model_buffers)
@@ -205,7 +205,7 @@ class Link:
         say_at = self._clock.monotonic() + JOIN_SAY_S  # say once that nobody answers yet
         while True:
             join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD,
-                        shared=self._probe)
+                        shared=self._host_token)
             try:
                 left = max(deadline - self._clock.monotonic(), 0.1)
                 reply = await self.request(join, timeout=min(wait, left))
@@ -237,8 +237,8 @@ class Link:
             self.request_timeout_s = min(self._config_request_timeout_s, reply.timeout_s)
             self._announced_port = reply.pub_port
             # In process, frames go by reference already (inproc, zero copy).
-            self.shared = (bool(reply.shared and self._probe)
-                           and not self.endpoint.startswith("inproc://") and Probe.seen(reply.shared))
+            self.shared = (bool(reply.shared and self._host_token)
+                           and not self.endpoint.startswith("inproc://") and HostToken.seen(reply.shared))
             return reply
 
     def session(self) -> list[Coroutine[Any, Any, None]]:
@@ -247,8 +247,8 @@ class Link:
         assert self._client is not None
         # (It connects once a port: SUB reconnects by itself.)
         self._client.subscribe(self._announced_port, shared=self.shared)
-        if self.shared and self._shelf is None:
-            self._shelf = Shelf(_SETS_MAPPED)
+        if self.shared and self._segments is None:
+            self._segments = SegmentCache(_SETS_MAPPED)
         return [self._broadcasts(), self.versions.resyncs(), self.liveness.heartbeats(self._client),
                 self.liveness.watchdog()]
 
@@ -352,7 +352,7 @@ class Link:
         while True:
             frames = await self._client.recv_broadcast()
             try:
-                message = decode(frames, layout=self.layout, shelf=self._shelf)
+                message = decode(frames, layout=self.layout, segments=self._segments)
             except WireError as e:
                 log.warning("worker %d: bad broadcast: %s", self._owner.rank, e)
                 continue
@@ -360,8 +360,8 @@ class Link:
             match message:
                 case Weights():
                     first = message.tensors[0] if message.tensors else None
-                    versions.keep_newest(message, shared=self._shelf is not None
-                                         and self._shelf.holds(first))
+                    versions.keep_newest(message, shared=self._segments is not None
+                                         and self._segments.holds(first))
                     del first
                 case Changes():
                     versions.take_changes(message)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tensorbus.bus.messages import Welcome
-from tensorbus.bus.shared import Shelf
+from tensorbus.bus.shared import SegmentCache
 from tensorbus.nodes.compute import OffLoop
 from tensorbus.nodes.epochs import RankData
 from tensorbus.nodes.faults import Faults
@@ -117,7 +117,7 @@ class LocalSteps:
         def finish(i: int) -> None:
             if i not in finished:
                 finished.add(i)
-                if on_set is not None and Shelf.generation(on_set.first) != on_set.generation:
+                if on_set is not None and SegmentCache.generation(on_set.first) != on_set.generation:
                     # The gradient is made (every weight it read, read): had the set been
                     # written meanwhile, its counter would have moved by now (bus.shared).
                     rewritten.append(i)

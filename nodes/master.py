@@ -24,7 +24,7 @@ import torch
 from tensorbus.bus.buffers import SendBuffers, Tracker, all_done
 from tensorbus.bus.layout import Compression, Layout
 from tensorbus.bus.pieces import Received, fold, sum_into, whole
-from tensorbus.bus.shared import Gallery
+from tensorbus.bus.shared import SharedWeightPool
 from tensorbus.nodes import changes as changed
 from tensorbus.nodes.config import CoordinatorConfig
 from tensorbus.nodes.flat import FlatModel
@@ -243,15 +243,15 @@ class Master:
             changes = self.differ(self.flat.weights, old.buffers)
         return changes
 
-    def advance_snapshot(self, changes: Buffers, version: int, gallery: Gallery | None) -> None:
+    def advance_snapshot(self, changes: Buffers, version: int, shared_pool: SharedWeightPool | None) -> None:
         """Make the snapshot `version` with these `changes`: written in place where nothing
-        reads it (no send, no colocated worker computing on it; its generation in `gallery`
+        reads it (no send, no colocated worker computing on it; its generation in `shared_pool`
         bumped first), or else a fresh one (the old one goes back to the pool)."""
         snapshot = self.snapshot
         assert snapshot is not None
         if snapshot.free and not self.pool.held(snapshot.buffers):
-            if gallery is not None:  # read by reference, maybe: written again now
-                gallery.bump(snapshot.buffers)
+            if shared_pool is not None:  # read by reference, maybe: written again now
+                shared_pool.bump(snapshot.buffers)
             changed.apply(snapshot.buffers, changes)
             snapshot.version = version
             if self.touched is not None:
@@ -305,25 +305,25 @@ async def tracked(snapshot: Snapshot, send: Awaitable[Tracker | None]) -> Tracke
     return tracker
 
 
-def shared_pool(allocate: Callable[[], Buffers], gallery: Gallery, *,
+def shared_version_sets(allocate: Callable[[], Buffers], shared_pool: SharedWeightPool, *,
                 held: Callable[[Buffers], bool] | None = None) -> SendBuffers:
-    """A pool of weight sets that `allocate` makes in `gallery`: a set's generation goes up
+    """A pool of weight sets that `allocate` makes in `shared_pool`: a set's generation goes up
     before it is written again, and it is reused only while 3 others are free, so that a
     version's set changes versions after it was published (bus.buffers), not at the next
     one (but for top-k's Changes, which write the last whole version's set in place:
     `Master.advance_snapshot`)."""
-    return SendBuffers(allocate, keep=3, held=held, reused=gallery.bump, dropped=gallery.release)
+    return SendBuffers(allocate, keep=3, held=held, reused=shared_pool.bump, dropped=shared_pool.release)
 
 
-def version_sets(layout: Layout, gallery: Gallery | None) -> SendBuffers:
-    """The buffer sets a coordinator makes its versions in: in `gallery`'s shared memory
+def version_sets(layout: Layout, shared_pool: SharedWeightPool | None) -> SendBuffers:
+    """The buffer sets a coordinator makes its versions in: in `shared_pool`'s shared memory
     (which workers of its host read where they lie), or private."""
-    if gallery is None:
+    if shared_pool is None:
         return SendBuffers(layout.allocate)
-    return shared_pool(gallery.allocator(layout.sizes(), layout.allocate), gallery)
+    return shared_version_sets(shared_pool.allocator(layout.sizes(), layout.allocate), shared_pool)
 
 
-def weights_gallery(config: CoordinatorConfig) -> Gallery | None:
+def shared_weight_pool(config: CoordinatorConfig) -> SharedWeightPool | None:
     """Where a coordinator makes its versions for workers of its host to read by reference
-    (bus.shared.Gallery): with `config.shared_memory`, on a machine where that is safe."""
-    return Gallery() if config.shared_memory and Gallery.usable() else None
+    (bus.shared.SharedWeightPool): with `config.shared_memory`, on a machine where that is safe."""
+    return SharedWeightPool() if config.shared_memory and SharedWeightPool.usable() else None

@@ -106,7 +106,7 @@ class Outbox:
             self._flat.stage(weights=False, spans=spans)
 
 
-class Keeping:
+class ReusingAllocator:
     """An allocator that keeps what it makes: each `round()` hands out, in order, the sets
     made in the rounds before (for the same buckets), then new ones. A worker makes a new
     Outbox at every join; its narrow buffers in shared memory are the same segments again,

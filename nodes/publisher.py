@@ -27,7 +27,7 @@ from tensorbus.bus.buffers import Tracker
 from tensorbus.bus.clock import Clock
 from tensorbus.bus.codec import encode
 from tensorbus.bus.messages import Changes, Message, Weights, Welcome
-from tensorbus.bus.shared import Gallery, Probe
+from tensorbus.bus.shared import HostToken, SharedWeightPool
 from tensorbus.bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, ServerTransport
 from tensorbus.nodes.master import AllDone, Master, tracked
 from tensorbus.nodes.metrics import Metrics
@@ -36,7 +36,8 @@ from tensorbus.nodes.metrics import Metrics
 class Publisher:
     def __init__(
         self, master: Master, server: ServerTransport, *, step_lock: asyncio.Lock, clock: Clock,
-        heartbeat_s: float, metrics: Metrics, gallery: Gallery | None, probe: Probe | None,
+        heartbeat_s: float, metrics: Metrics, shared_pool: SharedWeightPool | None,
+        host_token: HostToken | None,
         version: Callable[[], int], stopping: Callable[[], bool],
         buffers: Callable[[], tuple[torch.Tensor, ...]],
         background: Callable[[Awaitable[None]], asyncio.Task[None]],
@@ -50,8 +51,8 @@ class Publisher:
         self._clock = clock
         self._heartbeat_s = heartbeat_s
         self._metrics = metrics
-        self._gallery = gallery
-        self._probe = probe
+        self._shared_pool = shared_pool
+        self._host_token = host_token
         self._version = version
         self._stopping = stopping
         self._buffers = buffers
@@ -95,7 +96,7 @@ class Publisher:
             assert old is not None
             message: Message = Changes(version=version, base=old.version, tensors=changes,
                                        state=self._buffers())
-            self._master.advance_snapshot(changes, version, self._gallery)
+            self._master.advance_snapshot(changes, version, self._shared_pool)
             self._broadcast = await server.publish(encode(message))
             return
         snapshot = self._master.take_snapshot(version)
@@ -103,13 +104,13 @@ class Publisher:
         sends: list[Tracker | None] = []
         if server.wants(TOPIC_WEIGHTS):  # (made only for someone: bus.transport)
             sends.append(await tracked(snapshot, server.publish(encode(weights), TOPIC_WEIGHTS)))
-        if self._probe is not None and server.wants(TOPIC_SHARED):
+        if self._host_token is not None and server.wants(TOPIC_SHARED):
             # For the workers of this host (bus.transport's topics): where the set lies in
             # our shared memory, and its generation, or else its bytes too.
-            gallery = self._gallery
-            generation = gallery.generation(snapshot.buffers) if gallery is not None else None
-            frames = (encode(replace(weights, generation=generation), refer=gallery.locate)
-                      if gallery is not None and generation is not None else encode(weights))
+            shared_pool = self._shared_pool
+            generation = shared_pool.generation(snapshot.buffers) if shared_pool is not None else None
+            frames = (encode(replace(weights, generation=generation), refer=shared_pool.locate)
+                      if shared_pool is not None and generation is not None else encode(weights))
             sends.append(await tracked(snapshot, server.publish(frames, TOPIC_SHARED)))
         self._broadcast = AllDone(sends)
 

@@ -28,7 +28,7 @@ from tensorbus.bus.errors import PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Layout
 from tensorbus.bus.messages import Changes, Message, Pull, Weights, Welcome
 from tensorbus.bus.pieces import copy_into
-from tensorbus.bus.shared import Shelf
+from tensorbus.bus.shared import SegmentCache
 from tensorbus.nodes import changes as changed
 from tensorbus.nodes.liveness import Liveness, Owner, Stopped
 from tensorbus.nodes.model_buffers import ModelBuffers
@@ -133,7 +133,7 @@ class VersionChain:
 
     async def load_shared(self) -> None:
         """Load, here on the loop, the newest whole weights if they came by reference (from
-        the coordinator's shared memory: bus.shared.Gallery), so that nothing loads them
+        the coordinator's shared memory: bus.shared.SharedWeightPool), so that nothing loads them
         off the loop; then `latest` holds none. A copy made while the coordinator wrote the
         set again (its generation moved) is thrown away, and the version's bytes pulled."""
         while self.shared_pending():
@@ -143,7 +143,7 @@ class VersionChain:
             assert isinstance(first, torch.Tensor)  # (by reference: one view a tensor)
             had = self.version
             self.load(weights)
-            whole = Shelf.generation(first) == weights.generation
+            whole = SegmentCache.generation(first) == weights.generation
             self._whole, self._whole_shared = None, False
             del weights, first  # (the references, not the set: it stays mapped)
             if whole:
@@ -177,7 +177,7 @@ class VersionChain:
             return None
         first = weights.tensors[0]
         assert isinstance(first, torch.Tensor)  # (by reference: one view a tensor)
-        if Shelf.generation(first) != weights.generation:
+        if SegmentCache.generation(first) != weights.generation:
             return None  # rewritten already: load_shared copies, finds it torn, and pulls
         self._whole, self._whole_shared = None, False
         self._load_buffers(weights)
@@ -205,7 +205,7 @@ class VersionChain:
 
     def rebind(self, weights: tuple[torch.Tensor, ...]) -> None:
         """This shard's views of the worker's flat weights, where the model now has them
-        (a colocated worker moves between weight sets: nodes.handover)."""
+        (a colocated worker moves between weight sets: nodes.colocated_sets)."""
         self.layout.check([(t.dtype, tuple(t.shape)) for t in weights])
         self._weights = weights
 

@@ -12,7 +12,7 @@ model, whichever way the run ends. Its parts, one job each:
   so that heartbeats go on while it runs.
 - nodes.epochs: the rank's shard of data(), epoch after epoch.
 - nodes.in_place: which buffers the model computes on: its own, a coordinator's set on
-  this host (by reference, not copied in), or a colocated shard's (nodes.handover).
+  this host (by reference, not copied in), or a colocated shard's (nodes.colocated_sets).
 - nodes.push_memory: the shared memory a coordinator on this host reads pushes from.
 
 The worker talks to its coordinator through a `Link` (nodes.link): requests, answers,
@@ -40,11 +40,11 @@ from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Phase, Ready, Welcome
 from tensorbus.bus.shared import Ref
 from tensorbus.bus.transport import ClientFactory, Hub, ZmqClient
+from tensorbus.nodes.colocated_sets import ColocatedSets
 from tensorbus.nodes.compute import FINISHING_SAY_S, ComputeThread
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.epochs import Data, DataError, RankData, seed_generators
 from tensorbus.nodes.flat import FlatModel
-from tensorbus.nodes.handover import Handover
 from tensorbus.nodes.in_place import COPY_AFTER_REDO, InPlace
 from tensorbus.nodes.link import Link, RunFailedError
 from tensorbus.nodes.liveness import Stopped
@@ -88,15 +88,15 @@ class Worker:
         config: WorkerConfig,
         optimizer: OptimizerFactory | None = None,
         hub: Hub | None = None,
-        handover: Handover | None = None,
+        colocated_sets: ColocatedSets | None = None,
         transport: ClientFactory = ZmqClient,
         clock: Clock = SYSTEM_CLOCK,
         scheduler: SchedulerFactory | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, needed for an inproc:// endpoint
-        (the coordinator shard this worker hosts: see nodes.colocated). `handover`: the
+        (the coordinator shard this worker hosts: see nodes.colocated). `colocated_sets`: the
         weight sets that shard makes its versions in, for the model to compute on without
-        copying its range (nodes.handover); used on the CPU, when the worker pushes
+        copying its range (nodes.colocated_sets); used on the CPU, when the worker pushes
         gradients. `transport` makes the links' sockets (bus.memory's for one-loop tests);
         `clock` is read for every deadline and record (bus.clock). `scheduler`: the SPEC's,
         stepped here on the worker's own optimizer (average's; nodes.schedules)."""
@@ -118,14 +118,14 @@ class Worker:
         self.links = [
             Link(endpoint, shard, shard.take(self.flat.weights), self,
                  request_timeout_s=config.request_timeout_s, keys=config.keys, hub=hub,
-                 probe=self._push_memory.offer, transport=transport, clock=clock,
+                 host_token=self._push_memory.offer, transport=transport, clock=clock,
                  # (The buffers travel to and from the first shard only.)
                  model_buffers=self.flat.model_buffers if i == 0 and self.flat.model_buffers else None)
             for i, (endpoint, shard) in enumerate(zip(config.endpoints, self._shards, strict=True))
         ]
         self._data = RankData(data, self.device)  # the shard's batches, kept across rejoins
         self._in_place = InPlace(self.flat, self.links, self._shards,
-                                 handover if self.device.type == "cpu" else None)
+                                 colocated_sets if self.device.type == "cpu" else None)
         self._local_steps = LocalSteps(model=model, loss=loss, flat=self.flat, shards=count,
                                        data=self._data, faults=config.faults,
                                        optimizer=optimizer, scheduler=scheduler)
@@ -212,7 +212,7 @@ class Worker:
 
     def _before_join(self) -> None:
         """The Welcome's weights are loaded in place, into the model's own buffers (see
-        nodes.handover); what it computed on stays the model's if no Welcome comes."""
+        nodes.colocated_sets); what it computed on stays the model's if no Welcome comes."""
         self._in_place.sharing = False
         self._in_place.off_set()
         self._in_place.bind(self._in_place.own)
@@ -229,7 +229,7 @@ class Worker:
             await self._data.load(self.rank, welcome, self._off_loop)
         weights_pushed = PushKind(welcome.push) is PushKind.WEIGHTS
         # A worker that steps its own weights may not compute on the shard's sets.
-        self._in_place.sharing = self._in_place.handover is not None and not weights_pushed
+        self._in_place.sharing = self._in_place.colocated_sets is not None and not weights_pushed
         await self._local_steps.configure(welcome, self.rank, weights_pushed=weights_pushed,
                                           off_loop=self._off_loop)
         # By reference, the buffers pushed are read where they lie until the step that
@@ -269,7 +269,7 @@ class Worker:
         # computes on each where the coordinator made it, not on a copy (InPlace.follow_set).
         self._in_place.follows_sets = (
             early and len(self.links) == 1 and self.links[0].shared
-            and self._in_place.handover is None and self.device.type == "cpu"
+            and self._in_place.colocated_sets is None and self.device.type == "cpu"
             and compression.topk is None)
         # What goes on the wire, per gradient set and shard, filled as backward finishes
         # each range: gradients as they are, narrowed or top-k (--compress), or weights.
@@ -291,7 +291,7 @@ class Worker:
         `local_steps` steps into gradient set `current` (LocalSteps.compute). Touches only
         the model. Returns the mean loss and the samples seen."""
         if self._in_place.sharing:
-            self._in_place.follow_handover(latest)
+            self._in_place.follow_colocated_sets(latest)
         for i, link in enumerate(self.links):
             weights, latest[i] = latest[i], None  # hold no frames once loaded (see below)
             if weights is not None:

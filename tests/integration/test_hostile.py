@@ -78,7 +78,7 @@ from tensorbus.bus.messages import (
     Weights,
     Welcome,
 )
-from tensorbus.bus.shared import SharedTensorError, Shelf
+from tensorbus.bus.shared import SegmentCache, SharedTensorError
 from tensorbus.bus.transport import ClientFactory, ZmqClient
 from tensorbus.nodes import Coordinator, CoordinatorConfig, State, Worker, WorkerConfig
 from tensorbus.strategies import Sync
@@ -672,13 +672,13 @@ class _LyingMember(ZmqClient):
         super().__init__(connect, **options)
         self._layout, self._lies, self._answers = layout, lies, answers
         self._previous: Push | None = None  # the worker's last push, copied
-        self._shelf = Shelf()
+        self._segments = SegmentCache()
 
     async def send(self, frames: Any) -> Any:
         header = msgpack.unpackb(frames[0])
         if header["k"] == Kind.PUSH and header["s"] == HOSTILE_RANK:
             # (The worker's pushes go by reference from shared memory: read them there.)
-            push = decode(frames, layout=self._layout, shelf=self._shelf)
+            push = decode(frames, layout=self._layout, segments=self._segments)
             assert isinstance(push, Push)
             # Copied: the tensors are the worker's gradient buffer, written again later.
             real = replace(push, tensors=tuple(t.clone() for t in push.tensors))

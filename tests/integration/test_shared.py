@@ -1,7 +1,7 @@
 """Tensors by reference (bus.shared): segments, the codec's references, and training with them.
 
-Unit: an arena's buffers and where they lie, a shelf reading them (and refusing what is not
-ours to read), the probe, a killed creator's segment unlinked by the resource tracker, the
+Unit: a shared allocator's buffers and where they lie, a segment cache reading them (and refusing what is not
+ours to read), the host token, a killed creator's segment unlinked by the resource tracker, the
 codec. In one loop: sync over real ZeroMQ pushes by reference and makes the same bits as
 with bytes (a NaN push dropped alike), and so do bf16/fp16 pushes (their narrow copies,
 kept across joins); async and ssp push by reference (ssp's worker past the bound still
@@ -33,11 +33,19 @@ from torch import nn
 from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.messages import BUILD, Ack, Join, Push, Ready, RejectCode, Weights, Welcome
-from tensorbus.bus.shared import ROOT, Arena, Probe, SharedTensorError, Shelf, creator_alive, sweep
+from tensorbus.bus.shared import (
+    ROOT,
+    HostToken,
+    SegmentCache,
+    SharedAllocator,
+    SharedTensorError,
+    creator_alive,
+    sweep,
+)
 from tensorbus.nodes import Coordinator, CoordinatorConfig
 from tensorbus.nodes.faults import Faults
 from tensorbus.nodes.flat import FlatModel
-from tensorbus.nodes.outbox import Keeping
+from tensorbus.nodes.outbox import ReusingAllocator
 from tensorbus.strategies import Async, StaleSync, Sync
 from tensorbus.strategies.base import PushKind, Rhythm, Wait
 
@@ -48,34 +56,34 @@ def _ours() -> set[str]:
     return {p.name for p in ROOT.glob(f"tensorbus-{os.getpid()}-*")}
 
 
-def test_an_arena_allocates_zeroed_buffers_and_knows_where_they_lie() -> None:
-    arena = Arena()
+def test_a_shared_allocator_allocates_zeroed_buffers_and_knows_where_they_lie() -> None:
+    shm = SharedAllocator()
     try:
-        a, b = arena.allocate([(1000, torch.float32), (3, torch.int64)])
+        a, b = shm.allocate([(1000, torch.float32), (3, torch.int64)])
         assert (a.dtype, a.numel(), b.dtype, b.numel()) == (torch.float32, 1000, torch.int64, 3)
         assert not a.any() and not b.any()
-        name, at_a = arena.locate(a)  # type: ignore[misc]
-        assert arena.locate(b) == [name, 4096]  # each buffer starts on a page
-        assert at_a == 0 and arena.locate(a[10:20]) == [name, 40]
-        assert arena.locate(torch.zeros(4)) is None
+        name, at_a = shm.locate(a)  # type: ignore[misc]
+        assert shm.locate(b) == [name, 4096]  # each buffer starts on a page
+        assert at_a == 0 and shm.locate(a[10:20]) == [name, 40]
+        assert shm.locate(torch.zeros(4)) is None
         assert (ROOT / str(name)).stat().st_mode & 0o777 == 0o600
     finally:
-        arena.close()
+        shm.close()
 
 
-def test_a_shelf_reads_the_senders_memory_itself() -> None:
-    arena, shelf = Arena(), Shelf()
+def test_a_segment_cache_reads_the_senders_memory_itself() -> None:
+    shm, segments = SharedAllocator(), SegmentCache()
     try:
-        (grads,) = arena.allocate([(256, torch.float32)])
+        (grads,) = shm.allocate([(256, torch.float32)])
         grads.copy_(torch.arange(256.0))
-        ref = arena.locate(grads[128:])
-        view = shelf.view(ref, 128 * 4, torch.float32)
+        ref = shm.locate(grads[128:])
+        view = segments.view(ref, 128 * 4, torch.float32)
         assert torch.equal(view, torch.arange(128.0, 256.0))
-        assert shelf.holds(view) and not shelf.holds(grads) and not shelf.holds(torch.zeros(1))
+        assert segments.holds(view) and not segments.holds(grads) and not segments.holds(torch.zeros(1))
         grads[200] = -1.0  # no copy between: the receiver sees the sender's write
         assert view[72] == -1.0
     finally:
-        arena.close()
+        shm.close()
 
 
 @pytest.mark.system  # it starts processes
@@ -83,9 +91,9 @@ def test_the_receivers_mapping_is_read_only() -> None:
     """A receiver that wrote into a pushed gradient would write the sender's buffer: the
     mapping forbids it (the process dies of SIGSEGV, loudly, rather than corrupt it)."""
     program = (
-        "import torch\nfrom tensorbus.bus.shared import Arena, Shelf\n"
-        "arena = Arena(); (g,) = arena.allocate([(16, torch.float32)])\n"
-        "view = Shelf().view(arena.locate(g), 64, torch.float32)\n"
+        "import torch\nfrom tensorbus.bus.shared import SharedAllocator, SegmentCache\n"
+        "shm = SharedAllocator(); (g,) = shm.allocate([(16, torch.float32)])\n"
+        "view = SegmentCache().view(shm.locate(g), 64, torch.float32)\n"
         "print('mapped', flush=True)\nview.add_(1.0)\nprint('wrote', flush=True)\n")
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).resolve().parents[2], check=False)
@@ -100,29 +108,29 @@ def test_the_receivers_mapping_is_read_only() -> None:
     ("tensorbus-1-5-0123456789abcdef", "needs [segment, offset]"),
     ([1, 2], "needs [segment, offset]"),
 ])
-def test_a_shelf_refuses_what_is_not_a_segment_of_ours(ref: Any, why: str) -> None:
+def test_a_segment_cache_refuses_what_is_not_a_segment_of_ours(ref: Any, why: str) -> None:
     with pytest.raises(SharedTensorError, match=why.replace("[", r"\[").replace("]", r"\]")):
-        Shelf().view(ref, 4, torch.float32)
+        SegmentCache().view(ref, 4, torch.float32)
 
 
 @pytest.mark.parametrize(("offset", "nbytes"), [(4096, 4), (-4, 4), (2, 4), (0, 4100)])
-def test_a_shelf_refuses_bytes_outside_the_segment(offset: int, nbytes: int) -> None:
-    arena = Arena()
+def test_a_segment_cache_refuses_bytes_outside_the_segment(offset: int, nbytes: int) -> None:
+    shm = SharedAllocator()
     try:
-        (grads,) = arena.allocate([(1024, torch.float32)])
-        name, _ = arena.locate(grads)  # type: ignore[misc]
+        (grads,) = shm.allocate([(1024, torch.float32)])
+        name, _ = shm.locate(grads)  # type: ignore[misc]
         with pytest.raises(SharedTensorError, match="bytes at offset"):
-            Shelf().view([name, offset], nbytes, torch.float32)
+            SegmentCache().view([name, offset], nbytes, torch.float32)
     finally:
-        arena.close()
+        shm.close()
 
 
-def test_closing_an_arena_unlinks_its_files_and_keeps_its_buffers() -> None:
+def test_closing_a_shared_allocator_unlinks_its_files_and_keeps_its_buffers() -> None:
     before = _ours()
-    arena = Arena()
-    (grads,) = arena.allocate([(64, torch.float32)])
+    shm = SharedAllocator()
+    (grads,) = shm.allocate([(64, torch.float32)])
     assert len(_ours() - before) == 1
-    arena.close()
+    shm.close()
     assert _ours() == before
     grads.fill_(2.0)  # still mapped
     assert float(grads.sum()) == 128.0
@@ -131,9 +139,9 @@ def test_closing_an_arena_unlinks_its_files_and_keeps_its_buffers() -> None:
 @pytest.mark.system  # it starts processes
 def test_a_killed_creators_segment_is_unlinked_by_the_next_sweep() -> None:
     program = (
-        "import os, signal, sys, torch\nfrom tensorbus.bus.shared import Arena\n"
-        "arena = Arena(); (g,) = arena.allocate([(1 << 20, torch.float32)])\n"
-        "print(arena.locate(g)[0], flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+        "import os, signal, sys, torch\nfrom tensorbus.bus.shared import SharedAllocator\n"
+        "shm = SharedAllocator(); (g,) = shm.allocate([(1 << 20, torch.float32)])\n"
+        "print(shm.locate(g)[0], flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == -signal.SIGKILL
@@ -169,10 +177,10 @@ def test_a_creator_that_ended_but_is_not_reaped_is_gone() -> None:
 def test_a_sweep_spares_live_creators_and_knows_a_reused_pid() -> None:
     """A live process's segment stays; one named with a live pid but another start time
     (its creator is gone, and the pid was taken since) goes."""
-    arena = Arena()
+    shm = SharedAllocator()
     try:
-        (mine,) = arena.allocate([(16, torch.float32)])
-        name = str(arena.locate(mine)[0])
+        (mine,) = shm.allocate([(16, torch.float32)])
+        name = str(shm.locate(mine)[0])
         pid, start, random = name.removeprefix("tensorbus-").split("-")
         reused = ROOT / f"tensorbus-{pid}-{int(start) + 1}-{random}"
         reused.write_bytes(b"x")
@@ -184,43 +192,44 @@ def test_a_sweep_spares_live_creators_and_knows_a_reused_pid() -> None:
         finally:
             reused.unlink(missing_ok=True)
     finally:
-        arena.close()
+        shm.close()
 
 
-def test_a_probe_is_seen_only_with_its_token_and_while_it_lives() -> None:
-    probe = Probe()
-    name, token = probe.offer.split(" ")
+def test_a_host_token_is_seen_only_with_its_token_and_while_it_lives() -> None:
+    host_token = HostToken()
+    name, token = host_token.offer.split(" ")
     try:
-        assert Probe.seen(probe.offer)
+        assert HostToken.seen(host_token.offer)
         wrong = format(int(token, 16) ^ 1, "032x")
-        assert not Probe.seen(f"{name} {wrong}")
-        assert not Probe.seen(f"../{name} {token}") and not Probe.seen("") and not Probe.seen(name)
+        assert not HostToken.seen(f"{name} {wrong}")
+        assert not HostToken.seen(f"../{name} {token}")
+        assert not HostToken.seen("") and not HostToken.seen(name)
     finally:
-        probe.close()
-    assert not Probe.seen(probe.offer)
+        host_token.close()
+    assert not HostToken.seen(host_token.offer)
 
 
 def test_the_codec_sends_placed_tensors_as_references_and_the_rest_as_bytes() -> None:
-    arena = Arena()
+    shm = SharedAllocator()
     try:
-        (grads,) = arena.allocate([(300_000, torch.float32)])
+        (grads,) = shm.allocate([(300_000, torch.float32)])
         grads.normal_()
         private = torch.arange(10, dtype=torch.int64)
         push = Push(sender=1, version=3, clock=3, loss=0.5, samples=8, tensors=(grads, private))
-        frames = encode(push, refer=arena.locate)
+        frames = encode(push, refer=shm.locate)
         assert len(frames) == 2  # the header, and the private tensor's one frame
-        message = decode(frames, shelf=Shelf())
+        message = decode(frames, segments=SegmentCache())
         got, also = message.tensors
         assert isinstance(got, torch.Tensor) and torch.equal(got, grads)
         assert torch.equal(also, private)
         grads[0] = 7.0
         assert got[0] == 7.0  # read where the sender wrote it
         with pytest.raises(SharedTensorError, match="does not take") as info:
-            decode(frames)  # a node with no shelf
+            decode(frames)  # a node with no segment cache
         assert isinstance(info.value, WireError) and info.value.code is RejectCode.MALFORMED
         assert len(encode(push)) == 1 + 2 + 1  # without refer: 2 frames of 1 MiB, and 1
     finally:
-        arena.close()
+        shm.close()
 
 
 def test_a_flat_model_moves_its_gradients_into_shared_memory_or_stays_as_it_was() -> None:
@@ -234,17 +243,17 @@ def test_a_flat_model_moves_its_gradients_into_shared_memory_or_stays_as_it_was(
     with pytest.raises(OSError):
         flat.share_grads(no_room)
     assert flat.grads is kept
-    arena = Arena()
+    shm = SharedAllocator()
     try:
-        flat.share_grads(arena.allocate)
-        assert all(arena.locate(g) is not None for g in flat.grads)
+        flat.share_grads(shm.allocate)
+        assert all(shm.locate(g) is not None for g in flat.grads)
         flat.begin_backward()
         flat.module(torch.ones(3, 8)).sum().backward()
         flat.gather_grads()
-        assert all(arena.locate(p.grad) is not None for p in flat.module.parameters())
+        assert all(shm.locate(p.grad) is not None for p in flat.module.parameters())
         assert float(flat.grads[0].abs().sum()) > 0
     finally:
-        arena.close()
+        shm.close()
 
 
 # In one loop, over real ZeroMQ --------------------------------------------------------------
@@ -295,22 +304,22 @@ def test_async_pushes_both_gradient_sets_by_reference() -> None:
 
 def test_a_rejoining_workers_narrow_buffers_are_the_same_segments_again() -> None:
     """Each join makes a new Outbox; its shared buffers must not pile up in /dev/shm."""
-    arena = Arena()
+    shm = SharedAllocator()
     try:
-        keeping = Keeping(arena.allocate)
+        reusing = ReusingAllocator(shm.allocate)
         buckets = [(1000, torch.bfloat16)]
-        first = keeping.round()
+        first = reusing.round()
         a, b = first(buckets), first(buckets)  # two gradient sets: two segments
-        again = keeping.round()
+        again = reusing.round()
         assert again(buckets) is a and again(buckets) is b
         assert again([(10, torch.float16)]) is not a  # other buckets: a new one
-        assert len(_ours()) >= 3 and arena.locate(a[0]) is not None
+        assert len(_ours()) >= 3 and shm.locate(a[0]) is not None
         made = _ours()
-        round_three = keeping.round()
+        round_three = reusing.round()
         round_three(buckets), round_three(buckets)
         assert _ours() == made
     finally:
-        arena.close()
+        shm.close()
 
 
 @pytest.mark.parametrize("compress", ["bf16", "fp16"])
@@ -339,14 +348,14 @@ def test_narrow_copies_with_no_room_in_shared_memory_go_as_bytes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """No room for the bf16 copies in /dev/shm (ENOSPC, made to happen): the run goes on,
     its pushes carrying their bytes, and the fp32 gradient sets were never moved there."""
-    real = Arena.allocate
+    real = SharedAllocator.allocate
 
-    def allocate(self: Arena, buckets: Any) -> tuple[torch.Tensor, ...]:
+    def allocate(self: SharedAllocator, buckets: Any) -> tuple[torch.Tensor, ...]:
         if any(dtype == torch.bfloat16 for _, dtype in buckets):
             raise OSError(28, "No space left on device (made to happen)")
         return real(self, buckets)
 
-    monkeypatch.setattr(Arena, "allocate", allocate)
+    monkeypatch.setattr(SharedAllocator, "allocate", allocate)
     _, summary = _train(Sync(workers=2), shared=True, compress="bf16")
     assert summary["steps"] == 8
     for worker in summary["per_worker"].values():
@@ -442,7 +451,7 @@ def test_a_push_by_reference_that_needs_no_newer_version_is_answered_once_let_go
         endpoint = coordinator.bind()
         run = asyncio.create_task(coordinator.run())
         context = zmq.asyncio.Context()
-        probe, arena = Probe(), Arena()
+        host_token, shm = HostToken(), SharedAllocator()
         dealers = []
         for _ in range(2):
             dealer = context.socket(zmq.DEALER)
@@ -459,19 +468,19 @@ def test_a_push_by_reference_that_needs_no_newer_version_is_answered_once_let_go
             digest = coordinator.flat.layout.digest
             for rank in (0, 1):
                 welcome = await ask(rank, Join(request=1, rank=rank, layout=digest, build=BUILD,
-                                               shared=probe.offer))
+                                               shared=host_token.offer))
                 assert isinstance(welcome, Welcome) and welcome.shared
             await dealers[1].send_multipart(encode(Ready(sender=1, request=2, batches=10)))
             assert isinstance(await ask(0, Ready(sender=0, request=2, batches=10)), Ack)
             await asyncio.wait_for(dealers[1].recv_multipart(), 10.0)
             before = [w.clone() for w in coordinator.flat.weights]
             torch.manual_seed(1)
-            grads = arena.allocate([(b.numel, b.dtype) for b in coordinator.flat.layout.buckets])
+            grads = shm.allocate([(b.numel, b.dtype) for b in coordinator.flat.layout.buckets])
             for g in grads:
                 g.normal_()
             pushed = [g.clone() for g in grads]
             reply = await ask(0, Push(sender=0, request=3, version=0, clock=0, loss=1.0,
-                                      samples=8, tensors=grads), refer=arena.locate)
+                                      samples=8, tensors=grads), refer=shm.locate)
             assert isinstance(reply, Ack) and not reply.dropped
             for g in grads:
                 g.fill_(math.nan)  # its next backward
@@ -497,18 +506,18 @@ def test_a_push_by_reference_that_needs_no_newer_version_is_answered_once_let_go
             context.destroy(linger=0)
             run.cancel()
             await asyncio.gather(run, return_exceptions=True)
-            probe.close()
-            arena.close()
+            host_token.close()
+            shm.close()
 
     asyncio.run(scenario())
 
 
 def test_a_worker_with_no_room_in_shared_memory_pushes_bytes(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def no_room(self: Arena, buckets: object) -> tuple[torch.Tensor, ...]:
+    def no_room(self: SharedAllocator, buckets: object) -> tuple[torch.Tensor, ...]:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Arena, "allocate", no_room)
+    monkeypatch.setattr(SharedAllocator, "allocate", no_room)
     with caplog.at_level(logging.WARNING, logger="tensorbus.worker"):
         _, summary = _train(Sync(workers=2), shared=True)
     assert summary["steps"] == 8
@@ -517,9 +526,9 @@ def test_a_worker_with_no_room_in_shared_memory_pushes_bytes(
 
 
 def test_only_the_float_tensors_of_a_push_or_of_weights_come_by_reference() -> None:
-    arena = Arena()
+    shm = SharedAllocator()
     try:
-        floats, indices = arena.allocate([(16, torch.float32), (16, torch.int64)])
+        floats, indices = shm.allocate([(16, torch.float32), (16, torch.int64)])
         refused = [
             (Push(sender=0, version=1, clock=0, loss=0.0, samples=1, tensors=(indices,)),
              "int64 tensor by reference in a PUSH"),
@@ -530,13 +539,13 @@ def test_only_the_float_tensors_of_a_push_or_of_weights_come_by_reference() -> N
         ]
         for message, says in refused:
             with pytest.raises(SharedTensorError, match=says):
-                decode(encode(message, refer=arena.locate), shelf=Shelf())
+                decode(encode(message, refer=shm.locate), segments=SegmentCache())
         taken = decode(encode(Weights(version=3, generation=5, tensors=(floats,)),
-                              refer=arena.locate), shelf=Shelf())
+                              refer=shm.locate), segments=SegmentCache())
         assert isinstance(taken, Weights) and taken.generation == 5
         assert taken.tensors[0].data_ptr() != floats.data_ptr()  # its own mapping of it
     finally:
-        arena.close()
+        shm.close()
 
 
 def test_a_fifo_named_as_a_segment_does_not_hang_the_reader() -> None:
@@ -545,8 +554,8 @@ def test_a_fifo_named_as_a_segment_does_not_hang_the_reader() -> None:
     try:
         started = time.monotonic()
         with pytest.raises(SharedTensorError, match="cannot be mapped"):
-            Shelf().view([name, 0], 4, torch.float32)
-        assert not Probe.seen(f"{name} {'0' * 32}")
+            SegmentCache().view([name, 0], 4, torch.float32)
+        assert not HostToken.seen(f"{name} {'0' * 32}")
         assert time.monotonic() - started < 5
     finally:
         os.unlink(ROOT / name)
@@ -562,38 +571,38 @@ def test_a_coordinator_copies_a_rejoining_workers_held_push_out_of_its_segment()
     coordinator = Coordinator(model=_model(), strategy=Sync(workers=2),
                               config=CoordinatorConfig(steps=1))
     coordinator.bind()
-    arena = Arena()
+    shm = SharedAllocator()
     try:
-        grads = arena.allocate([(b.numel, b.dtype) for b in coordinator.flat.layout.buckets])
+        grads = shm.allocate([(b.numel, b.dtype) for b in coordinator.flat.layout.buckets])
         for g in grads:
             g.normal_()
-        assert coordinator._shelf is not None
+        assert coordinator._segments is not None
         pushed = decode(encode(Push(sender=0, version=0, clock=0, loss=1.0, samples=8,
-                                    tensors=grads), refer=arena.locate), shelf=coordinator._shelf)
+                                    tensors=grads), refer=shm.locate), segments=coordinator._segments)
         coordinator._intake.held[0] = Held(pushed.tensors, 1.0, 8)
         coordinator.stepper.fold = Fold(0, -0.1, coordinator.flat.layout.allocate(), [0], [pushed.tensors])
-        coordinator._intake.copy_held(0, coordinator._shelf)
+        coordinator._intake.copy_held(0, coordinator._segments)
         copied = coordinator._intake.held[0].tensors
         assert coordinator.stepper.fold.updates == [copied]
-        assert not any(coordinator._shelf.holds(t) for t in copied)
+        assert not any(coordinator._segments.holds(t) for t in copied)
         for g in grads:
             g.zero_()  # the worker computes again
         assert all(bool(t.abs().sum() > 0) for t in copied)
     finally:
-        arena.close()
-        assert coordinator._server is not None and coordinator._probe is not None
+        shm.close()
+        assert coordinator._server is not None and coordinator._host_token is not None
         coordinator._server.close()
-        coordinator._probe.close()
+        coordinator._host_token.close()
 
 
-def test_a_coordinator_that_cannot_read_the_workers_probe_gets_bytes(
+def test_a_coordinator_that_cannot_read_the_workers_host_token_gets_bytes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The proof goes both ways: here the coordinator does not see the worker's segment
     (as from a container with its own /dev/shm), says so, and the worker sends bytes."""
-    class Blind(Probe):
+    class Blind(HostToken):
         seen = staticmethod(lambda offer: False)
 
-    monkeypatch.setattr("tensorbus.nodes.admission.Probe", Blind)
+    monkeypatch.setattr("tensorbus.nodes.admission.HostToken", Blind)
     _, summary = _train(Sync(workers=2), shared=True)
     assert all(w["by_reference"] == 0 for w in summary["per_worker"].values())
 

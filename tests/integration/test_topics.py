@@ -18,7 +18,7 @@ import torch
 import zmq
 from test_fold import LR, _model, _worker
 
-from tensorbus.bus.shared import ROOT, Gallery
+from tensorbus.bus.shared import ROOT, SharedWeightPool
 from tensorbus.bus.transport import TOPIC_ALL, TOPIC_SHARED, TOPIC_WEIGHTS, ZmqServer
 from tensorbus.nodes import Coordinator, CoordinatorConfig
 from tensorbus.strategies import Sync
@@ -59,7 +59,7 @@ def test_the_server_knows_which_topics_subscribers_take() -> None:
         context.destroy(linger=0)
 
 
-@pytest.mark.skipif(not ROOT.is_dir() or not Gallery.usable(),
+@pytest.mark.skipif(not ROOT.is_dir() or not SharedWeightPool.usable(),
                     reason="no /dev/shm, or not x86-64 (weights go as bytes)")
 @pytest.mark.parametrize("bytes_worker", [False, True], ids=["all-by-reference", "one-on-bytes"])
 def test_a_version_is_made_only_for_the_topics_taken(bytes_worker: bool) -> None:

@@ -104,7 +104,7 @@ def test_sigterm_on_a_worker_still_joining_leaves_no_shared_memory(tmp_path: Pat
         c.start_worker(-1)  # nobody listens at its endpoint: it keeps asking to join
         pid = c.workers[-1].pid
         deadline = time.monotonic() + TIMEOUT_S * 15
-        while not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*")):  # its probe: built
+        while not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*")):  # its host token: built
             assert time.monotonic() < deadline and c.workers[-1].poll() is None, c.logs()
             time.sleep(0.05)
         time.sleep(1.0)  # (its signal handler is set as its event loop starts, just after)

@@ -54,7 +54,7 @@ def test_whole_clusters_killed_at_random_points_leave_no_segment_behind() -> Non
             ["local", DIGITS, "--workers", "2", "--steps", "100000", "--threads", "1",
              "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            # Once it has segments of its own (a coordinator's first: its probe), at a
+            # Once it has segments of its own (a coordinator's first: its host token), at a
             # random point of its start or its training.
             deadline = time.monotonic() + 30
             while not _theirs(_descendants(launcher.pid)):

@@ -179,7 +179,7 @@ def test_resuming_a_finished_run_makes_no_step_more(tmp_path: Path) -> None:
 
 def test_async_pushes_by_reference_and_learns_as_with_bytes(tmp_path: Path) -> None:
     """Async's pipelined workers push both gradient sets from shared memory by default
-    (bus.shared), and load versions from the coordinator's (bus.shared.Gallery); bytes
+    (bus.shared), and load versions from the coordinator's (bus.shared.SharedWeightPool); bytes
     both ways with --no-shared-memory; each run learns, and no segment is left."""
     spec = _spec(tmp_path, "digits_async")
     before = segments()

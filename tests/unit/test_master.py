@@ -80,7 +80,7 @@ def test_a_published_version_is_the_master_and_no_later_step_writes_it(momentum:
 
 
 def test_sets_whose_sends_are_done_are_reused_not_allocated_again() -> None:
-    # (A pool in shared memory keeps more sets, on purpose: tests/integration/test_gallery.py.)
+    # (A pool in shared memory keeps more sets, on purpose: tests/integration/test_shared_weights.py.)
     coordinator = Coordinator(
         model=_model(), strategy=Sync(workers=1),
         config=CoordinatorConfig(batch_size=8, steps=50, shared_memory=False),

@@ -1,4 +1,4 @@
-"""The weight sets a colocated shard shares with its worker (nodes.handover).
+"""The weight sets a colocated shard shares with its worker (nodes.colocated_sets).
 
 Unit: a set's range is found from tensors over its own memory (whole or in pieces) and from
 nothing else; the pool keeps a set the worker is bound to out of reuse, and forgets the sets
@@ -29,8 +29,8 @@ from tensorbus.bus.layout import Layout
 from tensorbus.bus.messages import Changes, Weights
 from tensorbus.bus.pieces import Pieces, copy_into
 from tensorbus.nodes import Colocated, Coordinator, CoordinatorConfig, Worker, WorkerConfig
+from tensorbus.nodes.colocated_sets import ColocatedSets
 from tensorbus.nodes.coordinator import Progress
-from tensorbus.nodes.handover import Handover
 from tensorbus.nodes.shards import ShardModel, assemble
 from tensorbus.nodes.version_chain import PendingVersion
 from tensorbus.strategies import PeriodicAveraging, Strategy, Sync
@@ -38,59 +38,60 @@ from tensorbus.strategies import PeriodicAveraging, Strategy, Sync
 pytestmark = pytest.mark.timeout(90)
 
 
-def _handover(index: int = 1) -> Handover:
+def _colocated_sets(index: int = 1) -> ColocatedSets:
     model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
     layout = Layout.of(model.named_parameters())
-    return Handover(layout, layout.shard(index, 2), index)
+    return ColocatedSets(layout, layout.shard(index, 2), index)
 
 
 def test_a_range_is_found_from_its_own_memory_whole_or_in_pieces() -> None:
-    handover = _handover()
-    part = handover.allocate()
-    whole = handover.holding(part)
-    assert whole is not None and [w.numel() for w in whole] == [b.numel for b in handover.layout.buckets]
-    assert handover.shard.take(whole)[0].data_ptr() == part[0].data_ptr()
+    colocated_sets = _colocated_sets()
+    part = colocated_sets.allocate()
+    whole = colocated_sets.holding(part)
+    assert whole is not None
+    assert [w.numel() for w in whole] == [b.numel for b in colocated_sets.layout.buckets]
+    assert colocated_sets.shard.take(whole)[0].data_ptr() == part[0].data_ptr()
     (flat,) = part
     pieces = Pieces([flat[:7], flat[7:]], tuple(flat.shape))  # as frames of a chunked send
-    assert handover.holding([pieces]) is whole
+    assert colocated_sets.holding([pieces]) is whole
 
 
 def test_nothing_else_is_taken_for_a_range() -> None:
-    handover, other = _handover(), _handover()  # another shard's sets, alike
-    (flat,) = handover.allocate()
+    colocated_sets, other = _colocated_sets(), _colocated_sets()  # another shard's sets, alike
+    (flat,) = colocated_sets.allocate()
     (elsewhere,) = other.allocate()
-    assert handover.holding([flat.clone()]) is None  # a copy: a tcp frame, a bf16 broadcast
-    assert handover.holding([Pieces([flat[:7], flat[8:].clone(), flat[:1]], tuple(flat.shape))]) is None
-    assert handover.holding([]) is None
-    assert other.holding([flat]) is None and handover.holding([elsewhere]) is None
+    assert colocated_sets.holding([flat.clone()]) is None  # a copy: a tcp frame, a bf16 broadcast
+    assert colocated_sets.holding([Pieces([flat[:7], flat[8:].clone(), flat[:1]], tuple(flat.shape))]) is None
+    assert colocated_sets.holding([]) is None
+    assert other.holding([flat]) is None and colocated_sets.holding([elsewhere]) is None
     assert other.holding([elsewhere]) is not None
 
 
 def test_the_pool_keeps_the_set_the_worker_is_bound_to() -> None:
-    handover = _handover()
-    pool = SendBuffers(handover.allocate, held=handover.held)
+    colocated_sets = _colocated_sets()
+    pool = SendBuffers(colocated_sets.allocate, held=colocated_sets.held)
     first = pool.take()
-    whole = handover.holding(first)
-    handover.bind(whole)
+    whole = colocated_sets.holding(first)
+    colocated_sets.bind(whole)
     pool.release(first, [])
     second = pool.take()
     assert second[0].data_ptr() != first[0].data_ptr() and pool.held(first)
-    handover.bind(None)  # the worker moved on
+    colocated_sets.bind(None)  # the worker moved on
     pool.release(second, [])
     assert {pool.take()[0].data_ptr(), pool.take()[0].data_ptr()} == {
         first[0].data_ptr(), second[0].data_ptr()}
 
 
 def test_a_set_the_pool_let_go_of_is_forgotten_unless_bound() -> None:
-    handover = _handover()
-    kept, dropped, bound = handover.allocate(), handover.allocate(), handover.allocate()
-    handover.bind(handover.holding(bound))
+    colocated_sets = _colocated_sets()
+    kept, dropped, bound = colocated_sets.allocate(), colocated_sets.allocate(), colocated_sets.allocate()
+    colocated_sets.bind(colocated_sets.holding(bound))
     del dropped, bound  # the pool let go of them; the worker still computes on one
-    new = handover.allocate()
-    assert len(handover._sets) == 3  # kept, bound, the new one
-    assert handover.holding(kept) is not None
-    handover.bind(None)
-    assert len(handover._sets) == 2 and handover.holding(new) is not None
+    new = colocated_sets.allocate()
+    assert len(colocated_sets._sets) == 3  # kept, bound, the new one
+    assert colocated_sets.holding(kept) is not None
+    colocated_sets.bind(None)
+    assert len(colocated_sets._sets) == 2 and colocated_sets.holding(new) is not None
 
 
 def test_copy_into_leaves_a_part_already_in_place() -> None:
@@ -106,18 +107,18 @@ def initial() -> nn.Module:
     return nn.Sequential(nn.Linear(digits.NUM_FEATURES, 1024), nn.ReLU(), nn.Linear(1024, digits.NUM_CLASSES))
 
 
-def _worker_beside(handover: Handover, model: nn.Module) -> Worker:
-    """A worker of 2 whose link `handover.index` is the shard beside it (not started: its
+def _worker_beside(colocated_sets: ColocatedSets, model: nn.Module) -> Worker:
+    """A worker of 2 whose link `colocated_sets.index` is the shard beside it (not started: its
     loads are driven by hand, as its compute thread drives them)."""
     endpoints = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
-    worker = Worker(model=model, data=digits.data, loss=digits.loss, handover=handover,
-                    config=WorkerConfig(connect=endpoints, rank=handover.index))
+    worker = Worker(model=model, data=digits.data, loss=digits.loss, colocated_sets=colocated_sets,
+                    config=WorkerConfig(connect=endpoints, rank=colocated_sets.index))
     worker._in_place.sharing = True
     return worker
 
 
 def _load(worker: Worker, latest: list[PendingVersion | None]) -> None:
-    worker._in_place.follow_handover(latest)
+    worker._in_place.follow_colocated_sets(latest)
     for link, newer in zip(worker.links, latest, strict=True):
         if newer is not None:
             link.versions.load(newer)
@@ -126,16 +127,16 @@ def _load(worker: Worker, latest: list[PendingVersion | None]) -> None:
 def test_the_worker_binds_to_the_set_then_leaves_it_untouched_for_changes() -> None:
     model = initial()
     layout = Layout.of(model.named_parameters())
-    handover = Handover(layout, layout.shard(1, 2), 1)
-    worker = _worker_beside(handover, model)
-    made = handover.allocate()  # the shard made version 1 here
+    colocated_sets = ColocatedSets(layout, layout.shard(1, 2), 1)
+    worker = _worker_beside(colocated_sets, model)
+    made = colocated_sets.allocate()  # the shard made version 1 here
     made[0].copy_(torch.arange(made[0].numel(), dtype=torch.float32))
     other = tuple(t + 1.0 for t in layout.shard(0, 2).take(layout.allocate()))  # from tcp
     _load(worker, [PendingVersion(Weights(version=1, tensors=other), ()),
                    PendingVersion(Weights(version=1, tensors=made), ())])
-    whole = handover.holding(made)
-    assert whole is not None and worker.flat.weights is whole and handover.bound is whole
-    assert handover.held(made)
+    whole = colocated_sets.holding(made)
+    assert whole is not None and worker.flat.weights is whole and colocated_sets.bound is whole
+    assert colocated_sets.held(made)
     local, remote = (shard.take(worker.flat.weights) for shard in (layout.shard(1, 2), layout.shard(0, 2)))
     assert local[0].data_ptr() == made[0].data_ptr()  # in place: not copied
     assert torch.equal(remote[0], other[0])  # the other shard's range: copied in
@@ -145,7 +146,8 @@ def test_the_worker_binds_to_the_set_then_leaves_it_untouched_for_changes() -> N
     at = torch.tensor([0, 5], dtype=torch.int64)
     changes = Changes(version=2, base=1, tensors=(at, torch.tensor([-1.0, -2.0])))
     _load(worker, [None, PendingVersion(None, (changes,))])
-    assert worker.flat.weights is worker._in_place.own and handover.bound is None and not handover.held(made)
+    assert worker.flat.weights is worker._in_place.own
+    assert colocated_sets.bound is None and not colocated_sets.held(made)
     assert torch.equal(made[0], before)
     mine = layout.shard(1, 2).take(worker.flat.weights)[0]
     assert mine[:6].tolist() == [-1.0, 1.0, 2.0, 3.0, 4.0, -2.0]
@@ -179,9 +181,9 @@ def _colocated(make: Callable[[], Strategy], optimizer: Optimizer, steps: int, *
     bound: list[bool] = []
 
     def look(node: int, _: Progress) -> None:
-        worker, handover = nodes[node].worker, nodes[node].handover
+        worker, colocated_sets = nodes[node].worker, nodes[node].colocated_sets
         assert worker is not None
-        whole = handover.bound if handover is not None else None
+        whole = colocated_sets.bound if colocated_sets is not None else None
         inside = whole is not None and worker.flat.weights is whole and all(
             p.untyped_storage().data_ptr() == whole[0].untyped_storage().data_ptr()
             for p in worker.flat.module.parameters())
@@ -209,10 +211,10 @@ def test_sync_computes_on_the_shards_sets_and_steps_as_one_coordinator(optimizer
     assert sum(bound) >= len(bound) - 4  # all but the first version or so of each shard
     for node in nodes:
         assert node.worker is not None and node.worker.version == 12
-        assert node.handover is not None and node.handover.bound is None  # back on its own
+        assert node.colocated_sets is not None and node.colocated_sets.bound is None  # back on its own
         # Made for the first versions, then reused: a pool in shared memory reuses a set
         # only while 3 others are free (bus.buffers), so it makes a few more.
-        assert len(node.handover._sets) <= 8
+        assert len(node.colocated_sets._sets) <= 8
         assert max_difference(central, node.worker.flat.module) <= 1e-5
     assert max_difference(central, initial()) > 1e-3
 
@@ -220,7 +222,7 @@ def test_sync_computes_on_the_shards_sets_and_steps_as_one_coordinator(optimizer
 def test_a_worker_that_steps_its_own_weights_never_binds_to_the_shards_sets() -> None:
     central = _central(PeriodicAveraging(workers=2, average_every=2), sgd, steps=4)
     nodes, bound = _colocated(lambda: PeriodicAveraging(workers=2, average_every=2), sgd, steps=4)
-    assert bound and not any(bound) and all(n.handover is None for n in nodes)
+    assert bound and not any(bound) and all(n.colocated_sets is None for n in nodes)
     assert all(max_difference(central, n.worker.flat.module) <= 1e-5 for n in nodes)  # type: ignore[union-attr]
 
 
@@ -261,9 +263,9 @@ def test_a_colocated_checkpoint_holds_its_shards_range_only() -> None:
                      strategy=Sync(workers=2), optimizer=plain_sgd,
                      config=CoordinatorConfig(batch_size=BATCH, steps=1))
     try:
-        assert node.handover is not None and node.handover.holding(node.coordinator.flat.weights)
+        assert node.colocated_sets is not None and node.colocated_sets.holding(node.coordinator.flat.weights)
         (weights,) = node.coordinator.checkpoints.state(node.coordinator.version)["weights"]
-        assert weights.untyped_storage().nbytes() == weights.numel() * 4 < node.handover.layout.nbytes
+        assert weights.untyped_storage().nbytes() == weights.numel() * 4 < node.colocated_sets.layout.nbytes
     finally:
         node.hub.close()
 

@@ -1,6 +1,6 @@
-"""Versions broadcast by reference to the workers of the coordinator's host (bus.shared.Gallery).
+"""Versions broadcast by reference to the workers of the coordinator's host (bus.shared.SharedWeightPool).
 
-Unit: a gallery's sets, their generation counters as a reader sees them, and the pool that
+Unit: a shared weight pool's sets, their generation counters as a reader sees them, and the pool that
 bumps them before it writes a set again. In one loop, over real ZeroMQ: workers load every
 version of sync from the coordinator's shared memory and end with the bits of workers that
 take bytes; a copy torn by a rewrite is thrown away and the version pulled; async loads by
@@ -21,46 +21,46 @@ from test_shared import _ours
 from tensorbus.bus.buffers import SendBuffers
 from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.messages import Weights
-from tensorbus.bus.shared import ROOT, Gallery, Shelf
+from tensorbus.bus.shared import ROOT, SegmentCache, SharedWeightPool
 from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker
 from tensorbus.nodes.faults import Faults
 from tensorbus.nodes.worker import COPY_AFTER_REDO, ComputeError, WorkerReport
 from tensorbus.strategies import Async, Sync
 
-pytestmark = pytest.mark.skipif(not ROOT.is_dir() or not Gallery.usable(),
+pytestmark = pytest.mark.skipif(not ROOT.is_dir() or not SharedWeightPool.usable(),
                                 reason="no /dev/shm, or not x86-64 (weights go as bytes)")
 
 
 def test_a_reader_sees_a_sets_generation_go_up_when_it_is_to_be_written_again() -> None:
-    gallery = Gallery()
+    shared_pool = SharedWeightPool()
     try:
-        a, b = gallery.allocate([(1000, torch.float32), (10, torch.float64)])
+        a, b = shared_pool.allocate([(1000, torch.float32), (10, torch.float64)])
         assert not a.any() and not b.any()
-        ref = gallery.locate(a)
+        ref = shared_pool.locate(a)
         assert ref is not None and ref[1] == 4096  # after the counter's page
-        assert gallery.generation((a, b)) == gallery.generation((a[500:],)) == 0
-        assert gallery.generation((torch.zeros(3),)) is None
+        assert shared_pool.generation((a, b)) == shared_pool.generation((a[500:],)) == 0
+        assert shared_pool.generation((torch.zeros(3),)) is None
         a.fill_(1.5)
-        frames = encode(Weights(version=1, generation=0, tensors=(a, b)), refer=gallery.locate)
+        frames = encode(Weights(version=1, generation=0, tensors=(a, b)), refer=shared_pool.locate)
         assert len(frames) == 1  # the header alone: no bytes
-        shelf = Shelf(kept=1)
-        seen = decode(frames, shelf=shelf)
+        segments = SegmentCache(kept=1)
+        seen = decode(frames, segments=segments)
         assert bool((seen.tensors[0] == 1.5).all())
         first = seen.tensors[0]
-        assert isinstance(first, torch.Tensor) and Shelf.generation(first) == 0
-        gallery.bump((a[10:20],))  # a range of the set: the whole set's counter
-        assert Shelf.generation(first) == gallery.generation((b,)) == 1
-        # Once the shelf has let go of the mapping (another set mapped), the view still
+        assert isinstance(first, torch.Tensor) and SegmentCache.generation(first) == 0
+        shared_pool.bump((a[10:20],))  # a range of the set: the whole set's counter
+        assert SegmentCache.generation(first) == shared_pool.generation((b,)) == 1
+        # Once the cache has let go of the mapping (another set mapped), the view still
         # reads the counter of its own: nothing reads as torn that was not.
-        (other,) = gallery.allocate([(4, torch.float32)])
-        decode(encode(Weights(version=2, tensors=(other,)), refer=gallery.locate), shelf=shelf)
-        assert not shelf.holds(first) and Shelf.generation(first) == 1
-        gallery.release((a, b))
+        (other,) = shared_pool.allocate([(4, torch.float32)])
+        decode(encode(Weights(version=2, tensors=(other,)), refer=shared_pool.locate), segments=segments)
+        assert not segments.holds(first) and SegmentCache.generation(first) == 1
+        shared_pool.release((a, b))
         assert str(ref[0]) not in _ours()
         assert bool((seen.tensors[0] == 1.5).all())  # the reader's mapping outlives the file
-        assert gallery.generation((a, b)) is None
+        assert shared_pool.generation((a, b)) is None
     finally:
-        gallery.close()
+        shared_pool.close()
 
 
 def test_a_shared_pool_reuses_the_set_released_longest_ago_and_bumps_it_first() -> None:
@@ -100,9 +100,9 @@ def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False,
     each step."""
     made = [0]
     in_place = [0, 0]
-    allocate = Gallery.allocate
+    allocate = SharedWeightPool.allocate
 
-    def counted(self: Gallery, buckets: Any) -> tuple[torch.Tensor, ...]:
+    def counted(self: SharedWeightPool, buckets: Any) -> tuple[torch.Tensor, ...]:
         made[0] += 1
         return allocate(self, buckets)
 
@@ -126,16 +126,16 @@ def _train(strategy: Any, *, shared: bool, steps: int = 8, tear: bool = False,
     def checked(self: Worker, latest: list[Any], *args: Any) -> Any:
         # The compute thread never loads weights by reference (Link.load_shared does).
         for link, newer in zip(self.links, latest, strict=True):
-            if newer is not None and newer.weights is not None and link._shelf is not None:
-                assert not link._shelf.holds(newer.weights.tensors[0])
-        shelf = self.links[0]._shelf
-        if shelf is not None and shelf.holds(self.flat.weights[0]):
+            if newer is not None and newer.weights is not None and link._segments is not None:
+                assert not link._segments.holds(newer.weights.tensors[0])
+        segments = self.links[0]._segments
+        if segments is not None and segments.holds(self.flat.weights[0]):
             assert self._in_place.on_set is not None and latest == [None]
             in_place[self.rank] += 1
         return compute(self, latest, *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Gallery, "allocate", counted)
+        patch.setattr(SharedWeightPool, "allocate", counted)
         patch.setattr(Worker, "_compute", checked)
         weights, reports = asyncio.run(scenario())
     return weights, reports, made[0], in_place
@@ -149,14 +149,14 @@ def _tear_first_copy(worker: Worker, coordinator: Coordinator) -> None:
     def tearing(weights: Any) -> None:
         load(weights)
         first = weights.tensors[0] if isinstance(weights, Weights) and weights.tensors else None
-        shelf = link._shelf
-        if not torn and shelf is not None and isinstance(first, torch.Tensor) and shelf.holds(first):
+        segments = link._segments
+        if not torn and segments is not None and isinstance(first, torch.Tensor) and segments.holds(first):
             torn.append(weights.version)
             with torch.no_grad():
                 for w in worker.flat.weights:
                     w.fill_(math.nan)
-            assert coordinator._gallery is not None and coordinator.master.snapshot is not None
-            coordinator._gallery.bump(coordinator.master.snapshot.buffers)
+            assert coordinator._shared_pool is not None and coordinator.master.snapshot is not None
+            coordinator._shared_pool.bump(coordinator.master.snapshot.buffers)
 
     link.versions.load = tearing  # type: ignore[method-assign]
 
@@ -171,9 +171,9 @@ def _rewrite_first_set(worker: Worker, coordinator: Coordinator) -> None:
         if not done and on is not None:
             done.append(on.weights.version)
             # In sync, the set of the version computed on is the coordinator's snapshot.
-            assert coordinator._gallery is not None and coordinator.master.snapshot is not None
-            coordinator._gallery.bump(coordinator.master.snapshot.buffers)
-            assert Shelf.generation(on.first) != on.generation
+            assert coordinator._shared_pool is not None and coordinator.master.snapshot is not None
+            coordinator._shared_pool.bump(coordinator.master.snapshot.buffers)
+            assert SegmentCache.generation(on.first) != on.generation
         return take()
 
     worker._data.next = rewriting  # type: ignore[method-assign]
@@ -284,8 +284,8 @@ def test_a_worker_that_fails_while_computing_in_place_gets_its_own_weights_back(
     worker, failure, last = asyncio.run(scenario())
     assert isinstance(failure, ComputeError) and "boom" in str(failure)
     assert worker._in_place.on_set is None and worker.flat.weights is worker._in_place.own
-    shelf = worker.links[0]._shelf
-    assert shelf is not None and not shelf.holds(worker.flat.weights[0])
+    segments = worker.links[0]._segments
+    assert segments is not None and not segments.holds(worker.flat.weights[0])
     assert all(torch.equal(a, b) for a, b in zip(worker.flat.weights, last, strict=True))
     for param in worker._model.parameters():
         param.data.add_(1.0)  # (in the read-only mapping, this would be a SIGSEGV)

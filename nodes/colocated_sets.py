@@ -24,7 +24,7 @@ Who may write what, and when (the invariant this module keeps):
   model back to its own private buffers.
 
 So a worker that writes its own weights (a local optimizer: periodic averaging) does not
-take part (nodes.colocated then gives its shard no handover), nor does a model on a GPU
+take part (nodes.colocated then gives its shard no colocated sets), nor does a model on a GPU
 (its weights are not the frames' memory; the shard's sets are still whole-model sets in
 host memory, two or three of them). A range under 64 KiB goes in-process as a copy (pyzmq
 copies small frames; bus.codec evens out chunks so that no larger range ends in one), and
@@ -44,13 +44,13 @@ from tensorbus.bus.layout import Layout, Shard
 from tensorbus.bus.pieces import Received, spans
 
 
-class Handover:
+class ColocatedSets:
     """The whole-model sets whose range `index` the shard beside a worker makes versions in."""
 
     def __init__(self, layout: Layout, shard: Shard, index: int, *,
                  allocate: Callable[[], tuple[torch.Tensor, ...]] | None = None) -> None:
         """`allocate`: makes a whole-model set (by default in private memory; a shard's
-        Gallery puts it in shared memory: bus.shared)."""
+        SharedWeightPool puts it in shared memory: bus.shared)."""
         self.layout, self.shard, self.index = layout, shard, index
         self._allocate_whole = allocate or layout.allocate
         # The sets made so far, by their range's addresses; each with a weak reference to
