@@ -1,4 +1,8 @@
-"""Frozen configuration of the nodes. Built by `run/` from argv, or by hand from Python."""
+"""Frozen configuration of the nodes. Built by `run/` from argv, or by hand from Python.
+
+`run/` fills a CoordinatorConfig by field name: each field that a run option sets has that
+option's name in run.options.RunOptions (and its flag's dest in run.flags); the others are
+each node's own (run.options.NODE_SETTINGS)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ A run stopped by SIGINT or SIGTERM stops gracefully, then dies of the signal (a 
 130 or 143); a second signal, or one during the imports, interrupts at once (130). A
 traceback only with `--debug`; anything unforeseen is named as an internal error, in one
 line too.
+
+The options are declared in run.flags, each flag's dest being the name of the setting it
+sets: a training run's become run.options.RunOptions by name (`RunOptions.from_args`), and a
+relay's coordinator settings are copied by name too (`same_named`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from tensorbus.run.export import check_writable, export, save_model
 from tensorbus.run.faults import parse_worker
 from tensorbus.run.local import LocalRunError, launch_local
 from tensorbus.run.memory import keep_freed_memory
-from tensorbus.run.options import RunOptions, make_coordinator
+from tensorbus.run.options import RunOptions, make_coordinator, same_named
 from tensorbus.run.pernode import launch_node
 from tensorbus.run.progress import CurrentStderr, ProgressLine
 from tensorbus.run.signals import die_of, stopping_on_signals
@@ -114,7 +118,7 @@ def _local(args: argparse.Namespace) -> int:
     try:
         with progress.above() if progress else contextlib.nullcontext():
             summary = launch_local(
-                args.spec, _run_options(args), on_step=progress, threads=args.threads,
+                args.spec, RunOptions.from_args(args), on_step=progress, threads=args.threads,
                 log_level=args.log_level, status=StatusTable(sys.stderr, every_s=args.status),
                 debug=args.debug, device=args.device, fork=True,
             )
@@ -136,7 +140,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     progress = ProgressLine(sys.stderr) if not args.no_progress else None
     shard, _ = args.shard or (0, 1)
-    coordinator = make_coordinator(spec, _run_options(args), bind=args.bind,
+    coordinator = make_coordinator(spec, RunOptions.from_args(args), bind=args.bind,
                                    pub_port=args.pub_port, on_step=progress, shard=shard)
     status = StatusTable(sys.stderr, every_s=args.status)
     try:
@@ -162,11 +166,11 @@ def _relay(args: argparse.Namespace) -> int:
         raise ValueError("--average-every is an option of average, not of sync: drop it, or "
                          "choose --strategy average")
     strategy = STRATEGIES[args.strategy](workers=args.workers, **options)
-    config = CoordinatorConfig(
-        bind=args.bind, pub_port=args.pub_port, steps=1, heartbeat_s=args.heartbeat,
-        timeout_s=args.timeout, join_timeout_s=args.join_timeout,
-        keys=load_server_keys(args.keys) if args.keys else None,
-        shared_memory=not args.no_shared_memory)
+    # --bind, --pub-port, --heartbeat, --timeout, --join-timeout and --no-shared-memory, by
+    # their dests' names; the run's length is the root's (the relay ignores steps).
+    config = CoordinatorConfig(**{
+        **same_named(CoordinatorConfig, args), "steps": 1,
+        "keys": load_server_keys(args.keys) if args.keys else None})
     relay = Relay(model=spec.build_model(), strategy=strategy, config=config,
                   upstream=args.connect,
                   keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
@@ -186,9 +190,9 @@ def _worker(args: argparse.Namespace) -> int:
     for endpoint in args.connect.split(","):
         split_endpoint(endpoint.strip())
     config = WorkerConfig(connect=args.connect, rank=args.rank, device=_device(args.device),
-                          join_timeout_s=args.join_timeout, faults=parse_worker(args.fault),
-                          reconnect_timeout_s=args.reconnect_timeout,
-                          shared_memory=not args.no_shared_memory,
+                          join_timeout_s=args.join_timeout_s, faults=parse_worker(args.fault),
+                          reconnect_timeout_s=args.reconnect_timeout_s,
+                          shared_memory=args.shared_memory,
                           keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
     worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config,
                     optimizer=spec.optimizer, scheduler=spec.scheduler)
@@ -242,8 +246,8 @@ def _node(args: argparse.Namespace) -> int:
                          "node takes rank NODE_RANK*G+L (see --node-rank)")
     connect, _ = _placed(args)
     load_spec(args.spec)  # a SPEC error once, here, rather than from every worker
-    flags = ["--log-level", args.log_level, "--join-timeout", str(args.join_timeout),
-             "--reconnect-timeout", str(args.reconnect_timeout), "--key-name", args.key_name,
+    flags = ["--log-level", args.log_level, "--join-timeout", str(args.join_timeout_s),
+             "--reconnect-timeout", str(args.reconnect_timeout_s), "--key-name", args.key_name,
              *(f"--fault={f}" for f in args.fault)]
     if args.keys is not None:
         flags += ["--keys", str(args.keys)]
@@ -279,31 +283,6 @@ def _keys(args: argparse.Namespace) -> int:
           "worker coordinator.key and its NAME.key_secret (--keys DIR --key-name NAME); "
           "authorized/ lists the workers let in", file=sys.stderr)
     return 0
-
-
-def _run_options(args: argparse.Namespace) -> RunOptions:
-    return RunOptions(
-        workers=args.workers, strategy=args.strategy, steps=args.steps, epochs=args.epochs,
-        batch_size=args.batch_size, lr=args.lr, seed=args.seed, metrics=args.metrics,
-        heartbeat_s=args.heartbeat, timeout_s=args.timeout, join_timeout_s=args.join_timeout,
-        strategy_options={k: getattr(args, k) for k in flags.STRATEGY_FLAGS if getattr(args, k) is not None},
-        faults=tuple(getattr(args, "fault", None) or ()),
-        eval_every_s=args.eval_every if isinstance(args.eval_every, float) else None,
-        eval_every_epochs=(int(args.eval_every[:-2]) if isinstance(args.eval_every, str)
-                           else None),
-        min_workers=args.min_workers or 1, max_workers=args.max_workers, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, keys=args.keys,
-        trace=args.trace, compress=args.compress or "", shards=_shards(args),
-        colocate=getattr(args, "colocate", False), shared_memory=not args.no_shared_memory,
-        clip_grad_norm=args.clip_grad_norm, save=args.save, precision=args.precision or "",
-    )
-
-
-def _shards(args: argparse.Namespace) -> int:
-    """How many coordinator shards: `local --shards S`, or S of `coordinator --shard I/S`."""
-    if getattr(args, "shard", None) is not None:
-        return int(args.shard[1])
-    return int(getattr(args, "shards", None) or 1)
 
 
 def _device(name: str) -> str:

@@ -6,6 +6,14 @@ options that several commands take (`_liveness`, `_keys`, ...) are declared once
 to each; docs/cli.md's reference is printed from this parser (`python -m
 tensorbus.run.flags`), and a test keeps the page in step with it.
 
+An option of a training run (`local`, `coordinator`) is declared here only: its `dest` is
+the name of the run.options.RunOptions field it sets (`--heartbeat` sets `heartbeat_s`),
+and `RunOptions.from_args` copies every field from the dest of its name, but the few that
+TO_OPTIONS makes from other dests (`--eval-every` into seconds or epochs, the strategy's
+options, ...). The coordinator's configuration is then copied from the RunOptions by field
+name (run.options.coordinator_config). NOT_OPTIONS names the dests that set no field; a
+test fails on a field no dest feeds and on a dest that feeds nothing.
+
 Usage errors are one line, pointing at --help, with the nearest option or choice when the
 one given is a typo.
 """
@@ -16,9 +24,9 @@ import argparse
 import difflib
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 from tensorbus.bus.protocol import BUILD, PROTOCOL_VERSION
 from tensorbus.run.cluster import DEFAULT_PORT
@@ -132,12 +140,14 @@ def parser() -> OneLineParser:
                              "GROUP_RANK, else SLURM_NODEID, else 0)")
     _device(worker, "auto (GPU LOCAL_RANK where CUDA is present, else the CPU), cpu, cuda "
                     "(GPU LOCAL_RANK) or cuda:N (default auto)")
-    worker.add_argument("--join-timeout", type=float, default=300.0,
+    worker.add_argument("--join-timeout", type=float, default=300.0, dest="join_timeout_s",
+                        metavar="JOIN_TIMEOUT",
                         help="keep trying to join this long, in seconds (default 300)")
     _keys(worker, "CURVE: DIR holds coordinator.key and this worker's NAME.key_secret")
     _shared_memory(worker)
     _key_name(worker, "which key pair of DIR is this worker's (default: worker)")
     worker.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="SECONDS",
+                        dest="reconnect_timeout_s",
                         help="after losing the coordinator, keep trying to join again this "
                              "long, counted from when it was last heard (default 60)")
     _faults(worker, per_rank=False)
@@ -207,17 +217,20 @@ def _json(p: argparse.ArgumentParser) -> None:
 
 
 def _shared_memory(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-shared-memory", action="store_true",
+    p.add_argument("--no-shared-memory", action="store_false", dest="shared_memory",
                    help="every tensor crosses the socket as bytes, even between processes "
                         "of one host (by default, gradients and versions go by reference, "
                         "from shared memory, where both ends see the same /dev/shm)")
 
 
 def _liveness(p: argparse.ArgumentParser, join_help: str) -> None:
-    p.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
-    p.add_argument("--timeout", type=float, default=10.0,
+    # (dest: the settings' field names; metavar: as --help has always shown them)
+    p.add_argument("--heartbeat", type=float, default=0.5, dest="heartbeat_s",
+                   metavar="HEARTBEAT", help="seconds between heartbeats")
+    p.add_argument("--timeout", type=float, default=10.0, dest="timeout_s", metavar="TIMEOUT",
                    help="remove a worker silent this long, in seconds (default 10)")
-    p.add_argument("--join-timeout", type=float, default=300.0, help=join_help)
+    p.add_argument("--join-timeout", type=float, default=300.0, dest="join_timeout_s",
+                   metavar="JOIN_TIMEOUT", help=join_help)
 
 
 def _keys(p: argparse.ArgumentParser, what: str) -> None:
@@ -283,7 +296,7 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
     p.add_argument("--trace", type=Path, metavar="FILE.json",
                    help="write a timeline of the run (Chrome trace events: open it in "
                         "Perfetto or chrome://tracing)")
-    p.add_argument("--min-workers", type=int, metavar="M",
+    p.add_argument("--min-workers", type=int, default=1, metavar="M",
                    help="stop with an error when fewer than M workers are left (default 1)")
     p.add_argument("--max-workers", type=int, metavar="W",
                    help="ranks 0..W-1 exist and data is sharded W ways, so that workers "
@@ -325,6 +338,34 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
     s.add_argument("--outer-momentum", type=float, help="average: its momentum")
     s.add_argument("--nesterov", action="store_true", default=None,
                    help="average: Nesterov momentum for the outer SGD")
+
+
+def _shards(args: argparse.Namespace) -> int:
+    """How many coordinator shards: `local --shards S`, or S of `coordinator --shard I/S`."""
+    if getattr(args, "shard", None) is not None:
+        return int(args.shard[1])
+    return int(getattr(args, "shards", None) or 1)
+
+
+# How a parsed `local` or `coordinator` command line becomes run.options.RunOptions. A field
+# is set from the dest of its name (a flag left unset, or one this command lacks, leaves
+# the field's default), but for these fields, each made from the dests the function reads:
+TO_OPTIONS: Final[Mapping[str, Callable[[argparse.Namespace], Any]]] = {
+    "strategy_options": lambda args: {name: getattr(args, name) for name in STRATEGY_FLAGS
+                                      if getattr(args, name) is not None},
+    "faults": lambda args: tuple(getattr(args, "fault", None) or ()),  # `local` only
+    "eval_every_s": lambda args: args.eval_every if isinstance(args.eval_every, float) else None,
+    "eval_every_epochs": lambda args: (int(args.eval_every[:-2])
+                                       if isinstance(args.eval_every, str) else None),
+    "shards": _shards,
+}
+# The dests of `local` and `coordinator` that set no RunOptions field of their own name:
+# read by TO_OPTIONS above, or this process's or this node's own settings (run.cli).
+NOT_OPTIONS: Final = frozenset({
+    "help", "spec", "threads", "log_level", "debug", "device", "no_progress",
+    "json", "status", "bind", "port", "pub_port", "insecure",  # the process's, the node's
+    "fault", "eval_every", "shard", *STRATEGY_FLAGS,  # read by TO_OPTIONS
+})
 
 
 def _eval_every(text: str) -> float | str:

@@ -1,11 +1,19 @@
 """What a training run is asked to do, and the coordinator built from it.
 
-`local` and `coordinator` take the same options; both build their coordinator here.
+`local` and `coordinator` take the same options; both build their coordinator here. Each
+option is declared once, in run.flags, whose dest names the RunOptions field it sets:
+`RunOptions.from_args` copies them by name (and takes the few others from
+flags.TO_OPTIONS). `coordinator_config` then copies every field that RunOptions and
+nodes.config.CoordinatorConfig share by name, and gives the rest (NODE_SETTINGS, and what
+differs from shard to shard) explicitly. A new option is a flag in run.flags and a field
+of the same name here (and in CoordinatorConfig, if the coordinator needs it).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -21,12 +29,15 @@ from tensorbus.nodes.config import CoordinatorConfig
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.nodes.evalpoints import Evaluate
 from tensorbus.nodes.shards import ShardModel, assemble
+from tensorbus.run import flags
 from tensorbus.run.faults import parse_local
 from tensorbus.run.spec import Spec
 from tensorbus.strategies import STRATEGIES, Strategy
 from tensorbus.strategies.base import PushKind, Wait
 
 DEFAULT_LR = 0.1  # the learning rate of the default SGD, when the SPEC has no optimizer()
+# The CoordinatorConfig fields that no run option sets: each node's own, from its launcher.
+NODE_SETTINGS = frozenset({"bind", "pub_port", "stop_timeout_s", "first_rank", "world_size"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +131,18 @@ class RunOptions:
             raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
                              "pushes weights: drop it, or choose sync, ssp or async")
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        """The options of a parsed `local` or `coordinator` command line (run.flags): each
+        field from the dest of its name, or from flags.TO_OPTIONS; a flag left unset (None),
+        or one this command lacks, leaves the field's default."""
+        given: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            make = flags.TO_OPTIONS.get(f.name)
+            value = make(args) if make is not None else getattr(args, f.name, None)
+            if value is not None:
+                given[f.name] = value
+        return cls(**given)
 
     @property
     def evaluates_during_training(self) -> bool:
@@ -231,32 +254,28 @@ def coordinator_config(
     if shards > 1 and checkpoint_dir is not None:
         checkpoint_dir = checkpoint_dir / f"shard-{shard}-of-{shards}"
     first = shard == 0
-    return CoordinatorConfig(
-        bind=bind,
-        pub_port=pub_port,
-        batch_size=options.batch_size,
-        steps=options.steps,
-        epochs=None if options.steps is not None else (
-            1 if options.epochs is None else options.epochs),
-        heartbeat_s=options.heartbeat_s,
-        timeout_s=options.timeout_s,
-        join_timeout_s=options.join_timeout_s,
-        metrics=options.metrics if first else None,
-        eval_every_s=options.eval_every_s,
-        eval_every_epochs=options.eval_every_epochs,
-        min_workers=options.min_workers,
-        max_workers=options.max_workers,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=options.checkpoint_every,
-        resume=options.resume,
-        keys=load_server_keys(options.keys) if options.keys is not None else None,
-        trace=options.trace if first else None,
-        compress=options.compress,
-        shared_memory=options.shared_memory,
-        seed=options.seed,
-        clip_grad_norm=options.clip_grad_norm,
-        precision=options.precision,
-    )
+    return CoordinatorConfig(**{
+        **same_named(CoordinatorConfig, options),
+        "bind": bind,
+        "pub_port": pub_port,
+        "epochs": None if options.steps is not None else (options.epochs or 1),
+        "metrics": options.metrics if first else None,
+        "trace": options.trace if first else None,
+        "checkpoint_dir": checkpoint_dir,
+        "keys": load_server_keys(options.keys) if options.keys is not None else None,
+    })
+
+
+def same_named(config: type[Any], source: object) -> dict[str, Any]:
+    """The values in `source` (a dataclass, or parsed arguments whose dests are field
+    names) of every field of the dataclass `config` that `source` has by the same name."""
+    names = (f.name for f in dataclasses.fields(config))
+    if dataclasses.is_dataclass(source):
+        held = {f.name for f in dataclasses.fields(source)}
+        names = (n for n in names if n in held)
+    else:
+        names = (n for n in names if hasattr(source, n))
+    return {name: getattr(source, name) for name in names}
 
 
 def make_colocated(
