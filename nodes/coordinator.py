@@ -268,6 +268,8 @@ class Coordinator:
                 keys=self.config.keys, hub=self._hub,
             )
             log.info("listening on %s (broadcasts on port %d)", self.endpoint, self._server.pub_port)
+            # (Said in the metrics too: whoever bound port 0 finds the port chosen there.)
+            self.metrics.write("listening", endpoint=self.endpoint, pub_port=self._server.pub_port)
             if self.config.shared_memory:
                 try:
                     # A few segments a worker: those of workers gone are let go of.

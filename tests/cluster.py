@@ -5,9 +5,9 @@ and metrics, always reaped."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -27,15 +27,47 @@ LIVENESS = ["--heartbeat", str(HEARTBEAT_S), "--timeout", str(TIMEOUT_S)]
 QUIET = ["--threads", "1", "--log-level", "warning"]
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+LISTENING = re.compile(r"listening on (tcp://\S+) \(broadcasts on port (\d+)\)")
+ANY_PORT = "tcp://127.0.0.1:0"  # the coordinator binds a free port, and keeps it
+
+
+def bound(process: Forked | subprocess.Popen[str], metrics: Path,
+          timeout: float = 30.0) -> tuple[str, int]:
+    """The endpoint and broadcast port of a coordinator started with `--bind ANY_PORT`
+    and `--metrics`, from its first record. (A number picked beforehand, by binding port 0
+    and closing it, could be taken by another test before the coordinator binds it.)"""
+    return _wait(process, timeout, lambda: next(
+        ((r["endpoint"], r["pub_port"]) for r in _records(metrics) if r["event"] == "listening"),
+        None))
+
+
+def bound_in_log(process: Forked | subprocess.Popen[str], log: Path,
+                 timeout: float = 30.0) -> tuple[str, int]:
+    """As `bound`, from the "listening on" line of a node whose log (level info) is `log`:
+    for a relay, which writes no metrics."""
+    def found() -> tuple[str, int] | None:
+        match = LISTENING.search(log.read_text()) if log.exists() else None
+        return (match.group(1), int(match.group(2))) if match else None
+    return _wait(process, timeout, found)
+
+
+def _wait(process: Forked | subprocess.Popen[str], timeout: float,
+          found: Callable[[], tuple[str, int] | None]) -> tuple[str, int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        at = found()
+        if at is not None:
+            return at
+        if process.poll() is not None:
+            raise AssertionError(f"the node ended ({process.returncode}) before it bound")
+        time.sleep(0.02)
+    raise AssertionError(f"the node did not bind within {timeout} s")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
 class Cluster:
@@ -45,12 +77,26 @@ class Cluster:
         self.tmp = tmp_path
         self.spec = tmp_path / "digits.py"
         shutil.copy(DIGITS, self.spec)
-        self.port, self.pub_port = free_ports(2)
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        # Known once the first coordinator has bound (a restarted one binds them again).
+        self.port: int | None = None
+        self.pub_port: int | None = None
+        self.endpoint = ""
         self.metrics = tmp_path / "metrics.jsonl"
         self.coordinator: Forked | None = None
         self.workers: dict[int, Forked] = {}
         self._all: list[Forked] = []
+
+    def _bind_args(self) -> list[str]:
+        """--bind and --pub-port: free ports chosen by the first coordinator, then its own."""
+        if self.port is None:
+            return ["--bind", ANY_PORT]
+        return ["--bind", self.endpoint, "--pub-port", str(self.pub_port)]
+
+    def _learn_ports(self) -> None:
+        if self.port is None:
+            assert self.coordinator is not None
+            self.endpoint, self.pub_port = bound(self.coordinator, self.metrics)
+            self.port = int(self.endpoint.rsplit(":", 1)[1])
 
     def _start(self, *args: str, log: str) -> Forked:
         with (self.tmp / log).open("a") as stderr:  # the child keeps its own descriptor
@@ -61,10 +107,10 @@ class Cluster:
 
     def start_coordinator(self, *args: str) -> None:
         self.coordinator = self._start(
-            "coordinator", str(self.spec), "--bind", self.endpoint, "--pub-port",
-            str(self.pub_port), "--no-progress", "--json", "--metrics", str(self.metrics),
-            *LIVENESS, *QUIET, *args, log="coordinator.log",
+            "coordinator", str(self.spec), *self._bind_args(), "--no-progress", "--json",
+            "--metrics", str(self.metrics), *LIVENESS, *QUIET, *args, log="coordinator.log",
         )
+        self._learn_ports()
 
     def start_worker(self, rank: int, *args: str) -> None:
         self.workers[rank] = self._start(
@@ -73,10 +119,7 @@ class Cluster:
         )
 
     def records(self) -> list[dict[str, Any]]:
-        if not self.metrics.exists():
-            return []
-        lines = self.metrics.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.endswith("}")]
+        return _records(self.metrics)
 
     def wait_for(self, what: str, test: Callable[[list[dict[str, Any]]], bool],
                  timeout: float = 60.0) -> list[dict[str, Any]]:

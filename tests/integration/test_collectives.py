@@ -50,6 +50,9 @@ def received(frames: list[Any]) -> list[Any]:
 
 
 def free_port() -> int:
+    """A port free now, for a rank that hosts the rendezvous by binding it: what is under
+    test there is a bind to the port given. (Another process may take it before: tests not
+    of that bind use a GroupServer on port 0, which keeps the port it gets.)"""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -309,10 +312,12 @@ def test_a_rank_that_never_calls_is_named_within_the_timeout() -> None:
 
 @pytest.mark.timeout(10)
 def test_a_missing_rendezvous_is_named_and_never_waited_on_forever() -> None:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    began = time.monotonic()
-    with pytest.raises(PeerTimeoutError) as info:
-        Group.join(endpoint, rank=1, size=2, join_timeout=0.5)
+    with socket.socket() as bound:  # bound and kept, never listening: nobody answers there
+        bound.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{bound.getsockname()[1]}"
+        began = time.monotonic()
+        with pytest.raises(PeerTimeoutError) as info:
+            Group.join(endpoint, rank=1, size=2, join_timeout=0.5)
     assert time.monotonic() - began < 3.0
     assert info.value.peer == f"the rendezvous at {endpoint}"
     assert "join(size=2) as collective 0" in str(info.value)
@@ -340,7 +345,8 @@ def test_ranks_calling_different_things_fail_alike_with_who_called_what(
             group.barrier()
         return str(info.value)
 
-    results = in_threads(2, f"tcp://127.0.0.1:{free_port()}", body)
+    with GroupServer("tcp://127.0.0.1:0", size=2) as server:
+        results = in_threads(2, server.endpoint, body, host=False)
     assert results[0] == results[1], results
     message = results[0]
     assert re.fullmatch(r"rank [01] called .* as collective 2 where rank [01] called .*", message)

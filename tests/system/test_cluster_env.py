@@ -313,10 +313,11 @@ class EnvCluster(Cluster):
 
     def coordinator_in(self, environ: Mapping[str, str], *args: str) -> None:
         self.coordinator = self.start_in(
-            "coordinator.log", environ, "coordinator", str(self.spec), "--bind", self.endpoint,
-            "--pub-port", str(self.pub_port), "--no-progress", "--json", "--metrics", str(self.metrics),
+            "coordinator.log", environ, "coordinator", str(self.spec), *self._bind_args(),
+            "--no-progress", "--json", "--metrics", str(self.metrics),
             "--steps", "5", "--batch-size", "16", "--max-workers", "4", *LIVENESS,
             "--threads", "1", *args)
+        self._learn_ports()
 
     def worker_in(self, log: str, environ: Mapping[str, str], *args: str) -> Forked:
         return self.start_in(log, environ, "worker", str(self.spec), "--threads", "1",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -100,8 +101,10 @@ def test_sigterm_on_a_worker_still_joining_leaves_no_shared_memory(tmp_path: Pat
     """A worker that waits for its coordinator to appear, with no rank yet, stopped with
     SIGTERM: it dies of the signal, says so without a rank ("worker -1" it was), and leaves
     nothing in /dev/shm, nor a warning of a leak."""
-    with cluster(tmp_path) as c:
-        c.start_worker(-1)  # nobody listens at its endpoint: it keeps asking to join
+    with cluster(tmp_path) as c, socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # bound, never listening: nobody answers there
+        c.endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        c.start_worker(-1)  # it keeps asking to join
         pid = c.workers[-1].pid
         deadline = time.monotonic() + TIMEOUT_S * 15
         while not list(Path("/dev/shm").glob(f"tensorbus-{pid}-*")):  # its host token: built

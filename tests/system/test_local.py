@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import zygote
-from cluster import leaked, segments
+from cluster import ANY_PORT, bound, leaked, segments
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -70,12 +69,6 @@ def _spec(tmp_path: Path, name: str, text: str | None = None) -> Path:
     else:
         path.write_text(text)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_local_trains_and_writes_the_summary(tmp_path: Path) -> None:
@@ -259,16 +252,16 @@ def test_coordinator_and_workers_by_hand_match_local(tmp_path: Path) -> None:
     local = _run(["local", str(spec), *training, *FAST])
     assert local.returncode == 0, local.stderr
 
-    port, pub_port = _free_port(), _free_port()
-    endpoint = f"tcp://127.0.0.1:{port}"
+    metrics = tmp_path / "by_hand.jsonl"
     processes = []
     try:
         coordinator = zygote.shared().popen(
-            ["coordinator", str(spec), "--bind", endpoint, "--pub-port",
-             str(pub_port), *training, *FAST],
+            ["coordinator", str(spec), "--bind", ANY_PORT, "--metrics", str(metrics),
+             *training, *FAST],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         processes.append(coordinator)
+        endpoint, _ = bound(coordinator, metrics)
         for rank in (1, 0):  # out of order: ranks, not arrival, decide the shards
             processes.append(zygote.shared().popen(
                 ["worker", str(spec), "--connect", endpoint, "--rank", str(rank),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import zygote
-from cluster import free_ports
+from cluster import ANY_PORT, bound_in_log
 from equivalence import BATCH, digits, initial, max_difference, sgd
 from zygote import Forked
 
@@ -164,38 +164,40 @@ def _summary(stdout: str) -> dict:
 
 
 @pytest.mark.timeout(150)
-def test_a_tree_of_processes_trains_to_the_flat_runs_accuracy() -> None:
+def test_a_tree_of_processes_trains_to_the_flat_runs_accuracy(tmp_path: Path) -> None:
     """`tensorbus coordinator` as the root, two `tensorbus relay` processes, two `tensorbus
     worker`s under each: the root's evaluation equals `tensorbus local --workers 4`'s."""
-    quiet = ["--threads", "1", "--log-level", "error"]
+    quiet = ["--threads", "1", "--log-level", "info"]
     flat = zygote.shared().run(["local", str(DIGITS), "--workers", "4", "--steps", "12",
                            "--no-progress", "--json", *quiet], cwd=ROOT, capture_output=True, text=True,
                           timeout=100, check=False)
     assert flat.returncode == 0, flat.stderr
-    ports = free_ports(6)
-    root_at, relays_at = f"tcp://127.0.0.1:{ports[0]}", [f"tcp://127.0.0.1:{p}" for p in ports[2::2]]
     processes: list[Forked] = []
 
-    def start(*args: str) -> Forked:
-        process = zygote.shared().popen([*args, *quiet], cwd=ROOT, text=True,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE)
+    def start(*args: str, log: Path) -> Forked:
+        with log.open("w") as logged:
+            process = zygote.shared().popen([*args, *quiet], cwd=ROOT, text=True,
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                            stderr=logged)
         processes.append(process)
         return process
 
     try:
-        root = start("coordinator", str(DIGITS), "--bind", root_at, "--pub-port", str(ports[1]),
-                     "--workers", "2", "--steps", "12", "--no-progress", "--json")
-        for i, at in enumerate(relays_at):
-            start("relay", str(DIGITS), "--connect", root_at, "--bind", at, "--pub-port",
-                  str(ports[3 + 2 * i]), "--workers", "2")
-            for _ in range(2):
-                start("worker", str(DIGITS), "--connect", at)
-        out, err = root.communicate(timeout=120)
-        assert root.returncode == 0, err
+        logs = {name: tmp_path / f"{name}.log" for name in ("root", "relay-0", "relay-1")}
+        root = start("coordinator", str(DIGITS), "--bind", ANY_PORT, "--workers", "2",
+                     "--steps", "12", "--no-progress", "--json", log=logs["root"])
+        root_at, _ = bound_in_log(root, logs["root"])
+        for i in range(2):
+            relay = start("relay", str(DIGITS), "--connect", root_at, "--bind", ANY_PORT,
+                          "--workers", "2", log=logs[f"relay-{i}"])
+            at, _ = bound_in_log(relay, logs[f"relay-{i}"])
+            for j in range(2):
+                start("worker", str(DIGITS), "--connect", at, log=tmp_path / f"worker-{i}-{j}.log")
+        out, _ = root.communicate(timeout=120)
+        assert root.returncode == 0, logs["root"].read_text()
         for process in processes[1:]:
-            _, err = process.communicate(timeout=30)
-            assert process.returncode == 0, err
+            process.communicate(timeout=30)
+            assert process.returncode == 0, "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
     finally:
         for process in processes:
             if process.poll() is None:

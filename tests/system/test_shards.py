@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import zygote
-from cluster import free_ports
+from cluster import ANY_PORT, bound_in_log
 from equivalence import BATCH, digits, initial, max_difference, sgd
 from zygote import Forked
 
@@ -168,22 +169,23 @@ def test_local_with_shards_trains_the_weights_of_one_coordinator() -> None:
 def test_shards_started_by_hand(tmp_path: Path) -> None:
     """`tensorbus coordinator --shard I/2` twice and workers with both addresses; a worker
     that gives them in the wrong order is refused with what to do."""
-    ports = free_ports(4)
-    endpoints = [f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[2]}"]
     processes: list[Forked] = []
 
-    def start(*args: str) -> Forked:
-        process = zygote.shared().popen([*args, *QUIET[:2]], cwd=ROOT, text=True,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE)
+    def start(*args: str, log: Path | None = None) -> Forked:
+        with log.open("w") if log else open(os.devnull) as logged:
+            process = zygote.shared().popen(
+                [*args, *QUIET[:2]], cwd=ROOT, text=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=logged if log else subprocess.PIPE)
         processes.append(process)
         return process
 
     try:
-        shards = [start("coordinator", str(DIGITS), "--bind", endpoints[i], "--pub-port",
-                        str(ports[2 * i + 1]), "--workers", "2", "--steps", "10", "--shard",
-                        f"{i}/2", "--no-progress", "--json", "--join-timeout", "60")
+        logs = [tmp_path / f"shard-{i}.log" for i in range(2)]
+        shards = [start("coordinator", str(DIGITS), "--bind", ANY_PORT, "--workers", "2",
+                        "--steps", "10", "--shard", f"{i}/2", "--no-progress", "--json",
+                        "--join-timeout", "60", "--log-level", "info", log=logs[i])
                   for i in range(2)]
+        endpoints = [bound_in_log(shard, log)[0] for shard, log in zip(shards, logs, strict=True)]
         wrong = start("worker", str(DIGITS), "--connect", f"{endpoints[1]},{endpoints[0]}",
                       "--join-timeout", "20")
         _, err = wrong.communicate(timeout=60)
@@ -198,9 +200,9 @@ def test_shards_started_by_hand(tmp_path: Path) -> None:
             _, err = w.communicate(timeout=60)
             assert w.returncode == 0, err
         summaries = []
-        for shard in shards:
-            out, err = shard.communicate(timeout=60)
-            assert shard.returncode == 0, err
+        for shard, log in zip(shards, logs, strict=True):
+            out, _ = shard.communicate(timeout=60)
+            assert shard.returncode == 0, log.read_text()
             summaries.append(_summary(out))
         assert [s["steps"] for s in summaries] == [10, 10]
     finally:
