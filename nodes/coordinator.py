@@ -13,14 +13,18 @@ own lives in its module, decides and records, and never touches a socket:
 - nodes.intake: a push judged (finite, in range, within its epochs), kept for its step.
 - nodes.parking: requests the strategy holds back, answered when released or stopped.
 - nodes.stepping: the optimizer and the step that makes each next version.
+- nodes.serving: the sockets, bound and closed once, and same-host shared memory.
 - nodes.publisher: versions broadcast, and sent to a worker that pulls or joins.
 - nodes.ending: where the run is, and how it ends (stops and failures).
 - nodes.run_checkpoints, nodes.run_length, nodes.evalpoints: checkpoints, the run's
   length and each rank's data position, the copies evaluated after training.
 
-What is left here (about 35 methods) is what needs several parts at once: receiving and
-answering, carrying out the strategy's decisions, the tick, a worker's departure, and the
-run's start and end. A relay (nodes.relay) subclasses it and overrides `_update` only.
+What is left here (about 30 methods, 740 lines) is what needs several parts at once:
+receiving and answering, carrying out the strategy's decisions, the tick, a worker's
+departure, and the run's start and end. Split further, each of these would reach into
+most parts through callbacks, and the order of their effects (a step, then its metrics,
+then its broadcast, then a stop) would no longer be read in one place. A relay
+(nodes.relay) subclasses it and overrides `_update` only.
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorbus.bus.buffers import SendBuffers, Tracker
+from tensorbus.bus.buffers import SendBuffers
 from tensorbus.bus.clock import SYSTEM_CLOCK, Clock
-from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.codec import decode
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import (
@@ -54,18 +58,17 @@ from tensorbus.bus.messages import (
     Weights,
 )
 from tensorbus.bus.pieces import Received
-from tensorbus.bus.shared import HostToken, SegmentCache, SharedTensorError, SharedWeightPool, sweep
+from tensorbus.bus.shared import SharedTensorError, SharedWeightPool, sweep
 from tensorbus.bus.transport import (
     Hub,
     ServerFactory,
-    ServerTransport,
     ZmqServer,
 )
 from tensorbus.nodes import admission
 from tensorbus.nodes.admission import Rejections
 from tensorbus.nodes.config import CoordinatorConfig
 from tensorbus.nodes.ending import Ending, State
-from tensorbus.nodes.evalpoints import EvalPoints, Evaluate, EvaluateError, figures
+from tensorbus.nodes.evalpoints import EvalPoints, Evaluate, summarize
 from tensorbus.nodes.failures import (
     Diverged,
     JoinTimedOut,
@@ -85,6 +88,7 @@ from tensorbus.nodes.publisher import Publisher
 from tensorbus.nodes.run_checkpoints import RunCheckpoints
 from tensorbus.nodes.run_length import RunLength
 from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
+from tensorbus.nodes.serving import Serving
 from tensorbus.nodes.shards import ShardModel
 from tensorbus.nodes.stepping import Stepper, correct_momentum, master_optimizer, stepped_lr
 from tensorbus.nodes.watch import Status, Watch
@@ -166,9 +170,7 @@ class Coordinator:
         self.model = model
         self.strategy = strategy
         self.config = config
-        self._hub = hub
         self._own_optimizer = optimizer is not None  # the SPEC's: --lr does not set its lr
-        self._transport = transport
         self._clock = clock
         self.flat = FlatModel(model)
         self.lr = lr  # handed to workers that own their optimizers
@@ -210,13 +212,7 @@ class Coordinator:
         self._schedule = (make_schedule(scheduler, self.master.optimizer)
                           if scheduler is not None and self.master.optimizer is not None
                           and not weights_pushed else None)
-        self._publisher: Publisher | None = None  # made once bound
         self._max_bytes = self.flat.layout.nbytes + 65536
-        self._server: ServerTransport | None = None
-        # Workers on this host push by reference (bus.shared): the proof of our /dev/shm
-        # we offer them, and the segments of theirs we read from.
-        self._host_token: HostToken | None = None
-        self._segments: SegmentCache | None = None
         self._started_at = 0.0
         self._errors: list[str] = []  # why workers left with an error, for the final message
         self._background: asyncio.Task[None] | None = None  # a stop under way
@@ -225,8 +221,10 @@ class Coordinator:
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
                                append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
+        self._serving = Serving(config, transport=transport, hub=hub, max_bytes=self._max_bytes,
+                                workers=strategy.workers, metrics=self.metrics)
         self._rejections = Rejections(self.metrics, clock, workers=strategy.workers)
-        self._parking = Parking(self._reply, metrics=self.metrics, watch=self.watch, clock=clock,
+        self._parking = Parking(self._serving.reply, metrics=self.metrics, watch=self.watch, clock=clock,
                                 wait=strategy.rhythm.wait)
         self._intake = Intake(stepper=self.stepper, strategy=strategy, length=self._length,
                               metrics=self.metrics, watch=self.watch, buffers=self._buffers,
@@ -249,44 +247,23 @@ class Coordinator:
 
     @property
     def endpoint(self) -> str:
-        if self._server is None:
-            raise RuntimeError("the coordinator is not bound yet: call bind() or run()")
-        return self._server.endpoint
+        return self._serving.endpoint
 
     @property
     def inproc_endpoint(self) -> str:
         """Where a worker of this process reaches us in-process (bound with a hub)."""
-        if self._server is None or not self._server.inproc_endpoint:
+        if not self._serving.server.inproc_endpoint:
             raise RuntimeError("the coordinator is not bound with a hub: give it hub= and bind()")
-        return self._server.inproc_endpoint
+        return self._serving.server.inproc_endpoint
 
     def bind(self) -> str:
         """Bind the sockets now (so that the endpoint is known); `run` binds if not done."""
-        if self._server is None:
-            self._server = self._transport(
-                self.config.bind, max_message_bytes=self._max_bytes, pub_port=self.config.pub_port,
-                keys=self.config.keys, hub=self._hub,
-            )
-            log.info("listening on %s (broadcasts on port %d)", self.endpoint, self._server.pub_port)
-            # (Said in the metrics too: whoever bound port 0 finds the port chosen there.)
-            self.metrics.write("listening", endpoint=self.endpoint, pub_port=self._server.pub_port)
-            if self.config.shared_memory:
-                try:
-                    # A few segments a worker: those of workers gone are let go of.
-                    kept = 2 * (self.config.max_workers or self.strategy.workers) + 2
-                    sweep()  # segments of killed processes: nobody else would unlink them
-                    self._host_token, self._segments = HostToken(), SegmentCache(kept)
-                except OSError as e:
-                    log.info("workers on this host push bytes, not references: no shared "
-                             "memory here (%s)", e)
-            self._publisher = Publisher(
-                self.master, self._server, step_lock=self._step_lock, clock=self._clock,
-                heartbeat_s=self.config.heartbeat_s, metrics=self.metrics, shared_pool=self._shared_pool,
-                host_token=self._host_token, version=lambda: self.version,
-                stopping=lambda: self._ending.stopping,
-                buffers=self._buffers.published,
-                background=lambda c: asyncio.create_task(self._guard(c)))
-        return self.endpoint
+        return self._serving.bind(lambda server, host_token: Publisher(
+            self.master, server, step_lock=self._step_lock, clock=self._clock,
+            heartbeat_s=self.config.heartbeat_s, metrics=self.metrics,
+            shared_pool=self._shared_pool, host_token=host_token, version=lambda: self.version,
+            stopping=lambda: self._ending.stopping, buffers=self._buffers.published,
+            background=lambda c: asyncio.create_task(self._guard(c))))
 
     async def run(self, *, before_evaluate: Awaitable[Any] | None = None) -> dict[str, Any]:
         """Train until the target version, then stop the workers and return the summary.
@@ -308,7 +285,7 @@ class Coordinator:
                 resumed = self.checkpoints.resume()
                 if resumed is not None:
                     self.version = resumed
-            await self._published.publish()
+            await self._serving.publisher.publish()
         except BaseException:
             if self._shared_pool is not None:
                 self._shared_pool.close()
@@ -320,17 +297,12 @@ class Coordinator:
             self.metrics.close()
             raise
         finally:
-            if self._published.later is not None:
-                tasks.append(self._published.later)
+            if self._serving.publisher.later is not None:
+                tasks.append(self._serving.publisher.later)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            assert self._server is not None
-            if self._server.rejected:  # CURVE handshakes of unlisted keys, or none
-                self.metrics.rejected["handshake"] = self._server.rejected
-            self._server.close()
-            if self._host_token is not None:
-                self._host_token.close()
+            self._serving.close()
             if self._shared_pool is not None:
                 self._shared_pool.close()
             self.watch.close()
@@ -343,23 +315,8 @@ class Coordinator:
             except BaseException:
                 self.metrics.close()
                 raise
-        if self.metrics.trained_from is None and self.metrics.stopped_by is not None:
-            # Stopped (Ctrl-C, say) before training began: nothing of this run to score.
-            summary = self.metrics.summary({})
-            self.metrics.close(summary)
-            return summary
-        try:
-            self._buffers.refresh()
-            self._evals.evaluate(self.master, self.metrics)
-            evaluation = (figures(self._evaluate, self.model, taken=self.metrics.summary({}))
-                          if self._evaluate else {})
-        except EvaluateError as e:
-            # What training made is kept: the summary without the evaluation.
-            self.metrics.close(self.metrics.summary({}))
-            raise TrainingError(str(e)) from e.__cause__
-        summary = self.metrics.summary(evaluation)
-        self.metrics.close(summary)
-        return summary
+        self._buffers.refresh()
+        return summarize(self._evals, self._evaluate, self.master, self.metrics)
 
     async def _guard(self, coroutine: Any) -> None:
         try:
@@ -391,12 +348,11 @@ class Coordinator:
         it is not reached within the stop timeout, stop where it is. `quiet`: a stop that
         is the run's normal end (said at info level, not as a warning). Call it from the
         coordinator's event loop."""
-        self._ending.ask(why, version=self.version, at_version=at_version, quiet=quiet,
-                         stop=self._begin_stop)
+        def begin(why: str) -> None:  # (a reference kept, so that the task is not collected)
+            self._background = asyncio.get_running_loop().create_task(
+                self._guard(self._graceful_stop(why)))
 
-    def _begin_stop(self, why: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._guard(self._graceful_stop(why)))
-        self._background = task  # a reference, so that the task is not collected
+        self._ending.ask(why, version=self.version, at_version=at_version, quiet=quiet, stop=begin)
 
     async def _graceful_stop(self, why: str) -> None:
         async with self._step_lock:
@@ -408,14 +364,13 @@ class Coordinator:
     # Receiving ---------------------------------------------------------------------------
 
     async def _receive(self) -> None:
-        assert self._server is not None
         while True:
-            peer, frames = await self._server.recv()
+            peer, frames = await self._serving.server.recv()
             member = self._members.get(peer) is not None
             try:
                 # Tensors by reference only from members (bus.shared: the trust it needs).
                 message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout,
-                                 segments=self._segments if member else None)
+                                 segments=self._serving.segments if member else None)
             except WireError as e:
                 code, detail = e.code, str(e)[:1000]
                 if isinstance(e, SharedTensorError) and not member:
@@ -424,7 +379,7 @@ class Coordinator:
                     code, detail = RejectCode.UNKNOWN_WORKER, admission.NOT_A_MEMBER
                 self._rejections.count(peer, code.value,
                                        f"rejected a message from {self._members.name(peer)}: {e}")
-                await self._reply(peer, Reject(request=e.request, code=code.value, detail=detail))
+                await self._serving.reply(peer, Reject(request=e.request, code=code.value, detail=detail))
                 continue
             await self._dispatch(peer, message)
             # Let go of the frames now, not when the next message comes: sent in-process,
@@ -445,7 +400,7 @@ class Coordinator:
         member.last_seen = now
         # Stopping, a worker may still fetch the final weights (a Pull) before it leaves.
         if self.state is State.STOPPING and not isinstance(message, Leave | Heartbeat | Pull):
-            await self._reply(peer, self._ending.answer(message.request, self.version))
+            await self._serving.reply(peer, self._ending.answer(message.request, self.version))
             return
         match message:
             case Heartbeat(phase=phase, clock=clock, version=version):
@@ -468,14 +423,14 @@ class Coordinator:
                     member.batches = batches
                 await self._push(peer, member, message, now)
             case Pull(version=have):
-                await self._published.refresh()
+                await self._serving.publisher.refresh()
                 if self.master.snapshot is not None and have >= self.master.snapshot.version:
                     # Nothing newer: say so without resending the model.
-                    await self._reply(peer, Weights(request=message.request, version=self.version))
+                    await self._serving.reply(peer, Weights(request=message.request, version=self.version))
                 else:
-                    await self._published.send(peer, Weights(request=message.request))
+                    await self._serving.publisher.send(peer, Weights(request=message.request))
             case Leave(reason=reason, detail=detail):
-                await self._reply(peer, Ack(request=message.request, version=self.version))
+                await self._serving.reply(peer, Ack(request=message.request, version=self.version))
                 self._rejections.left(peer)
                 if reason == "error":  # (before it departs: a failure below the minimum says it)
                     self._errors.append(f"worker {member.rank}: {detail}")
@@ -488,7 +443,7 @@ class Coordinator:
 
     async def _join(self, peer: bytes, message: Join, now: float) -> None:
         if self.state is State.STOPPING:
-            await self._reply(peer, self._ending.answer(message.request, self.version))
+            await self._serving.reply(peer, self._ending.answer(message.request, self.version))
             return
         refused = admission.refusal(message, layout=self.flat.layout.digest, model=self.model)
         if refused is not None:
@@ -503,26 +458,28 @@ class Coordinator:
             log.info("worker %d joined (%s, build %s)", admitted.rank, self._members.name(peer),
                      message.build)
             self.metrics.worker(admitted.rank)["joins"] += 1
-        assert self._server is not None
         welcome = admission.welcome(
             message, admitted.rank, strategy=self.strategy, config=self.config,
-            world_size=self._members.world_size, pub_port=self._server.pub_port, lr=self.lr,
-            position=self._length.positions.get(admitted.rank, 0), host_token=self._host_token)
-        self._intake.copy_held(admitted.rank, self._segments)
-        await self._published.refresh()
-        await self._published.send(peer, welcome)
+            world_size=self._members.world_size, pub_port=self._serving.server.pub_port, lr=self.lr,
+            position=self._length.positions.get(admitted.rank, 0), host_token=self._serving.host_token)
+        self._intake.copy_held(admitted.rank, self._serving.segments)
+        await self._serving.publisher.refresh()
+        await self._serving.publisher.send(peer, welcome)
 
     async def _push(self, peer: bytes, member: Member, message: Push, now: float) -> None:
         taken = await self._intake.take(
             peer, member, message, now, members=lambda: [m.rank for m in self._members],
-            segments=self._segments, stopping=self._ending.stopping, over=self._over)
+            segments=self._serving.segments, stopping=self._ending.stopping,
+            # (Over: a push that comes now is not stepped on, its buffers not taken.)
+            over=lambda: self._ending.stopping or self._length.reached_target)
         decisions, dropped = taken.decisions, taken.dropped
         if dropped == DropReason.PAST_EPOCHS.value:
             # Answered once the run's length is known (_know_length), not computed on again
             # and again meanwhile: the CPU is the slower workers' now.
             self._parking.park(member.rank, peer, message.request, now, push=True)
         elif dropped:
-            await self._reply(peer, Ack(request=message.request, version=self.version, dropped=dropped))
+            await self._serving.reply(peer, Ack(request=message.request, version=self.version,
+                                                dropped=dropped))
             self.watch.answered(member.rank)
         else:
             member.clock = max(member.clock, message.clock + 1)  # what it says, once taken
@@ -541,9 +498,9 @@ class Coordinator:
                                  and self.strategy.holds_back(d.worker)]
                     stepped = True
                 else:
-                    self._intake.copy_held(member.rank, self._segments)
+                    self._intake.copy_held(member.rank, self._serving.segments)
             if stepped and self._ending.stopping:  # (the last step)
-                await self._reply(peer, self._ending.answer(message.request, self.version))
+                await self._serving.reply(peer, self._ending.answer(message.request, self.version))
             else:
                 await self._parking.answer(peer, member, message.request, decisions, now,
                                           push=True, version=self.version)
@@ -622,7 +579,7 @@ class Coordinator:
         if self.state is State.STARTING:
             self._ending.enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
         started = self._clock.wall()
-        await self._published.publish()
+        await self._serving.publisher.publish()
         self.watch.span("broadcast", started, version=self.version)
         for member in self._members:  # released from the barrier by this version
             if member.phase == Phase.WAITING.value and member.rank in decision.workers:
@@ -667,31 +624,16 @@ class Coordinator:
             await self._parking.release(self._parking.pushes(but=self.strategy.holds_back),
                                         version=self.version)
 
-    def _over(self) -> bool:
-        """Whether the run has made its last version (a push that comes now is not stepped
-        on, and its buffers, of one forward more, are not taken)."""
-        return self._ending.stopping or self._length.reached_target
-
-    # Sending (versions: nodes.publisher) ---------------------------------------------------
-
-    @property
-    def _published(self) -> Publisher:
-        assert self._publisher is not None, "bind() first"
-        return self._publisher
-
-    async def _reply(self, peer: bytes, message: Message) -> Tracker | None:
-        assert self._server is not None
-        return await self._server.send(peer, encode(message))
+    # Sending (versions: nodes.publisher, through nodes.serving) -------------------------------
 
     async def _refuse(self, peer: bytes, message: Message, code: RejectCode, detail: str) -> None:
         self._rejections.count(peer, code.value, f"refused {message.KIND.name} from "
                                                  f"{self._members.name(peer)}: {code.value}: {detail}")
-        await self._reply(peer, Reject(request=message.request, code=code.value, detail=detail))
+        await self._serving.reply(peer, Reject(request=message.request, code=code.value, detail=detail))
 
     # Time ----------------------------------------------------------------------------------
 
     async def _tick(self) -> None:
-        assert self._server is not None
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             now = self._clock.monotonic()
@@ -699,12 +641,12 @@ class Coordinator:
             # after the first one (welcomed just before the stop) hears it too, and leaves.
             beat = (self._ending.answer(0, self.version) if self.state is State.STOPPING
                     else Heartbeat(version=self.version, phase=self.state.value))
-            await self._server.publish(encode(beat))
+            await self._serving.publish(beat)
             for member in self._members.silent(now, self.config.timeout_s):
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))
-            self._rejections.handshakes(self._server.rejected)
+            self._rejections.handshakes(self._serving.server.rejected)
             await self._check_phase(now)
             self._rejections.forget(now)
 
@@ -750,13 +692,12 @@ class Coordinator:
         return self._ending.failure is not None
 
     async def _stop(self, why: str) -> None:
-        assert self._server is not None
         self._ending.enter(State.STOPPING, why)
         self.metrics.ended = why
         # A failure is said to the workers too: theirs is not a run that ended well.
         stop = self._ending.answer(0, self.version)
         await self._parking.release(self._parking, version=self.version, stop=stop)
-        await self._server.publish(encode(stop))
+        await self._serving.publish(stop)
 
     async def _depart(self, member: Member, why: str, *, lost: bool = False,
                       warn: bool = False) -> None:
@@ -776,7 +717,7 @@ class Coordinator:
                                phase=member.phase, clock=member.clock, why=why,
                                train_s=round(self.metrics.train_s(), 6))
             log.warning("%s %s", member.describe(), why)
-            if self._segments is not None:  # a killed worker's segments: unlinked by nobody else
+            if self._serving.segments is not None:  # a killed worker's segments: unlinked by nobody else
                 sweep()
         else:
             log.log(logging.WARNING if warn else logging.INFO, "%s %s", member.describe(), why)

@@ -1,15 +1,18 @@
-"""Accuracy over training time without slowing training: copies of the master weights
-taken every `eval_every_s` seconds of training time, evaluated once training is over
-(`eval` lines of the metrics file, which `tensorbus plot` draws)."""
+"""What is evaluated once training is over: copies of the master weights taken every
+`eval_every_s` seconds of training time (`eval` lines of the metrics file, which `tensorbus
+plot` draws), then the final model, whose figures go in the run's summary. Taking copies,
+not evaluating during training, keeps the evaluation from slowing training."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from tensorbus.nodes.failures import TrainingError
 from tensorbus.nodes.master import Master
 from tensorbus.nodes.metrics import Metrics
 
@@ -131,3 +134,22 @@ class EvalPoints:
             flat.load(final)
             flat.model_buffers.load(final_buffers)
         self._points.clear()
+
+
+def summarize(points: EvalPoints, evaluate: Evaluate | None, master: Master,
+              metrics: Metrics) -> dict[str, Any]:
+    """Evaluate the copies, then the final model (its buffers already the run's newest),
+    and close the metrics with the run's summary, which is returned. An `evaluate` that
+    fails keeps what training made: the summary without its figures, then TrainingError."""
+    if metrics.trained_from is None and metrics.stopped_by is not None:
+        evaluate = None  # stopped (Ctrl-C, say) before training began: nothing to score
+    try:
+        if evaluate is not None:
+            points.evaluate(master, metrics)
+        evaluation = figures(evaluate, master.flat.module, taken=metrics.summary({})) if evaluate else {}
+    except EvaluateError as e:
+        metrics.close(metrics.summary({}))
+        raise TrainingError(str(e)) from e.__cause__
+    summary = metrics.summary(evaluation)
+    metrics.close(summary)
+    return summary

@@ -123,8 +123,8 @@ class Relay(Coordinator):
             served = True  # run() closes the local sockets
             return await super().run(before_evaluate=before_evaluate)
         finally:
-            if not served and self._server is not None:
-                self._server.close()
+            if not served and self._serving.bound:
+                self._serving.close()
             for task in (*helpers, *([self._ready] if self._ready else [])):
                 task.cancel()
             await asyncio.gather(*helpers, *([self._ready] if self._ready else []),

@@ -281,8 +281,8 @@ def test_a_plain_sgd_step_on_dense_updates_is_the_optimizers_without_its_buffers
 def _published_kinds(coordinator: Coordinator, *, lose: int | None = None) -> list[str]:
     """Watch the coordinator's broadcasts (their kinds, in order); with `lose`, do not
     send the Changes of that version: as if the PUB had dropped it."""
-    assert coordinator._server is not None
-    server = coordinator._server
+    assert coordinator._serving.server is not None
+    server = coordinator._serving.server
     publish = server.publish
     kinds: list[str] = []
 

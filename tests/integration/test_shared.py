@@ -576,23 +576,23 @@ def test_a_coordinator_copies_a_rejoining_workers_held_push_out_of_its_segment()
         grads = shm.allocate([(b.numel, b.dtype) for b in coordinator.flat.layout.buckets])
         for g in grads:
             g.normal_()
-        assert coordinator._segments is not None
+        assert coordinator._serving.segments is not None
         pushed = decode(encode(Push(sender=0, version=0, clock=0, loss=1.0, samples=8,
-                                    tensors=grads), refer=shm.locate), segments=coordinator._segments)
+                                    tensors=grads), refer=shm.locate), segments=coordinator._serving.segments)
         coordinator._intake.held[0] = Held(pushed.tensors, 1.0, 8)
         coordinator.stepper.fold = Fold(0, -0.1, coordinator.flat.layout.allocate(), [0], [pushed.tensors])
-        coordinator._intake.copy_held(0, coordinator._segments)
+        coordinator._intake.copy_held(0, coordinator._serving.segments)
         copied = coordinator._intake.held[0].tensors
         assert coordinator.stepper.fold.updates == [copied]
-        assert not any(coordinator._segments.holds(t) for t in copied)
+        assert not any(coordinator._serving.segments.holds(t) for t in copied)
         for g in grads:
             g.zero_()  # the worker computes again
         assert all(bool(t.abs().sum() > 0) for t in copied)
     finally:
         shm.close()
-        assert coordinator._server is not None and coordinator._host_token is not None
-        coordinator._server.close()
-        coordinator._host_token.close()
+        assert coordinator._serving.host_token is not None
+        coordinator._serving.server.close()
+        coordinator._serving.host_token.close()
 
 
 def test_a_coordinator_that_cannot_read_the_workers_host_token_gets_bytes(

@@ -70,7 +70,7 @@ def test_a_version_is_made_only_for_the_topics_taken(bytes_worker: bool) -> None
             model=_model(), strategy=Sync(workers=2), config=CoordinatorConfig(batch_size=8, steps=8),
             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
         endpoint = coordinator.bind()
-        server = coordinator._server
+        server = coordinator._serving.server
         assert server is not None
         publish = server.publish
 
