@@ -22,6 +22,10 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
 
 # Each public name, and the module under tensorbus that defines it.
 _WHERE: dict[str, str] = {
+    # your own training loop
+    "init": "nodes.own_loop",
+    "DistributedOptimizer": "nodes.own_loop",
+    "Context": "nodes.own_loop",
     # launching
     "launch_local": "run.local",
     "LocalRunError": "run.local",
@@ -70,9 +74,11 @@ __all__ = [
     "CollectiveMismatchError",
     "Colocated",
     "ComputeError",
+    "Context",
     "Coordinator",
     "CoordinatorConfig",
     "DataError",
+    "DistributedOptimizer",
     "Diverged",
     "Group",
     "GroupFailedError",
@@ -100,6 +106,7 @@ __all__ = [
     "WireError",
     "Worker",
     "WorkerConfig",
+    "init",
     "launch_local",
     "load_spec",
 ]
@@ -123,6 +130,7 @@ if TYPE_CHECKING:
         TrainingError,
     )
     from tensorbus.nodes.link import RunFailedError
+    from tensorbus.nodes.own_loop import Context, DistributedOptimizer, init
     from tensorbus.nodes.relay import Relay
     from tensorbus.nodes.shards import ShardModel
     from tensorbus.nodes.worker import ComputeError, DataError, Worker

@@ -37,6 +37,7 @@ class Kind(enum.IntEnum):
     COLLECTIVE = 12  # rank -> rendezvous: my part of collective `seq` (answered by RESULT)
     RESULT = 13  # rendezvous -> rank: how collective `seq` ended, with its tensor if any
     CHANGES = 14  # coordinator -> workers: the elements that changed since version `base`
+    DESCRIBE = 15  # worker -> coordinator: the model and optimizer it trains (answered by ACK)
 
 
 class RejectCode(str, enum.Enum):
@@ -126,6 +127,20 @@ class Join(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Describe(Message):
+    """A script's model and optimizer, for a coordinator started without a SPEC
+    (nodes.description): JSON, with the initial weights as tensors and the carried
+    buffers as state. Sent before the Join; the first one sets the run's model."""
+
+    KIND = Kind.DESCRIBE
+    CARRIES_TENSORS = True
+    CARRIES_STATE = True
+    layout: str  # digest of the model's layout, as in a Join
+    model: str  # nodes.description.describe's JSON
+    build: str = ""  # the tensorbus release of the worker
+
+
+@dataclass(frozen=True, kw_only=True)
 class Welcome(Message):
     KIND = Kind.WELCOME
     CARRIES_TENSORS = True
@@ -178,6 +193,9 @@ class Push(Message):
     wait_s: float = 0.0  # since the previous compute ended: held back, waiting for a version
     batches: int = -1  # batches per epoch of its shard, once known (see Ready)
     overflows: int = 0  # fp16 steps skipped so far for an overflow (nodes.precision)
+    # A script's own loop (nodes.own_loop): its optimizer's learning rates, one a parameter
+    # group, as JSON, which the coordinator's copy of it steps with ("": not a script).
+    lrs: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,5 +304,5 @@ def _field_types(cls: type[Message]) -> dict[str, type]:
 SCHEMA: Final[dict[Kind, tuple[type[Message], dict[str, type]]]] = {
     cls.KIND: (cls, _field_types(cls))
     for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject,
-                Collective, Result, Changes)
+                Collective, Result, Changes, Describe)
 }

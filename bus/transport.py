@@ -293,6 +293,11 @@ class ZmqServer:
                 self._plain_refused += 1
         return self._plain_refused + (self._gate.rejected if self._gate is not None else 0)
 
+    def limit(self, max_message_bytes: int) -> None:
+        """Refuse requests larger than this from connections made from now on (a server
+        that took a larger first message: run.own_loop)."""
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
     def _socket(self, kind: int, max_message_bytes: int) -> LoopSocket:
         socket: zmq.Socket[Any] = self._context.socket(kind)
         self._sockets.append(LoopSocket(socket))

@@ -17,9 +17,10 @@ import math
 from dataclasses import dataclass
 
 from tensorbus.bus.clock import Clock
-from tensorbus.bus.messages import BUILD, Join, RejectCode, Welcome
+from tensorbus.bus.messages import BUILD, Describe, Join, RejectCode, Welcome
 from tensorbus.bus.shared import HostToken
 from tensorbus.nodes.config import CoordinatorConfig
+from tensorbus.nodes.description import ModelShell
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.shards import ShardModel
 from tensorbus.strategies.base import Strategy
@@ -37,8 +38,9 @@ class Refusal:
     detail: str
 
 
-def refusal(join: Join, *, layout: str, model: object) -> Refusal | None:
-    """Why `join` is refused for its build or its layout (`layout`: ours), or None."""
+def refusal(join: Join | Describe, *, layout: str, model: object) -> Refusal | None:
+    """Why `join` (or a script's Describe) is refused for its build or its layout
+    (`layout`: ours), or None."""
     if join.build not in ("", UNKNOWN_BUILD, BUILD) and BUILD != UNKNOWN_BUILD:
         return Refusal(RejectCode.BUILD, f"the worker runs tensorbus {join.build}, the "
                                          f"coordinator {BUILD}: install the same release on both")
@@ -49,6 +51,10 @@ def refusal(join: Join, *, layout: str, model: object) -> Refusal | None:
             f"this coordinator is shard {model.index} of {model.count} (layout {layout}) and "
             f"the worker asked for layout {join.layout}: give the worker every shard's "
             "address in shard order (--connect ADDR0,ADDR1,...), and the same SPEC everywhere"))
+    if isinstance(join, Describe) or isinstance(model, ModelShell):
+        return Refusal(RejectCode.LAYOUT, (
+            f"this script's model (layout {join.layout}) is not the run's (layout {layout}, "
+            "from the first rank that described it): every rank must build the same model"))
     return Refusal(RejectCode.LAYOUT, f"worker model layout {join.layout} differs from the "
                                       f"coordinator's {layout}: both must load the same SPEC")
 

@@ -33,6 +33,11 @@ FINISHING_SAY_S = 5.0  # a failed worker waiting longer for its compute thread s
 _Job = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
 
 
+class ScriptEnded(Exception):  # noqa: N818 - not an error: how a script's worker ends
+    """A script that brings its own loop has ended it (nodes.own_loop): its worker leaves
+    the run as one whose work is done."""
+
+
 class ComputeThread:
     """One daemon thread running the jobs submitted, in order."""
 

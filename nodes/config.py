@@ -62,6 +62,9 @@ class CoordinatorConfig:
     clip_grad_norm: float | None = None
     # The workers' forward in autocast: "", "bf16-mixed" or "fp16-mixed" (nodes.precision).
     precision: str = ""
+    # The run ends once every worker has left having ended well (scripts that bring their
+    # own loop: nodes.own_loop), not at a number of steps or epochs, which may not be given.
+    until_workers_leave: bool = False
 
     def __post_init__(self) -> None:
         if self.first_rank < 0:
@@ -83,8 +86,10 @@ class CoordinatorConfig:
             raise ValueError(f"eval_every_epochs must be at least 1, got {self.eval_every_epochs}")
         if self.eval_every_s is not None and self.eval_every_epochs is not None:
             raise ValueError("give eval_every_s or eval_every_epochs, not both")
-        if (self.steps is None) == (self.epochs is None):
-            raise ValueError("give exactly one of steps and epochs")
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give steps or epochs, not both")
+        if self.steps is None and self.epochs is None and not self.until_workers_leave:
+            raise ValueError("give steps or epochs (or until_workers_leave)")
         for name in ("steps", "epochs"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -45,6 +45,7 @@ from tensorbus.bus.errors import WireError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import (
     Ack,
+    Describe,
     Heartbeat,
     Join,
     Leave,
@@ -62,6 +63,7 @@ from tensorbus.bus.shared import SharedTensorError, SharedWeightPool, sweep
 from tensorbus.bus.transport import (
     Hub,
     ServerFactory,
+    ServerTransport,
     ZmqServer,
 )
 from tensorbus.nodes import admission
@@ -90,7 +92,13 @@ from tensorbus.nodes.run_length import RunLength
 from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
 from tensorbus.nodes.serving import Serving
 from tensorbus.nodes.shards import ShardModel
-from tensorbus.nodes.stepping import Stepper, correct_momentum, master_optimizer, stepped_lr
+from tensorbus.nodes.stepping import (
+    Stepper,
+    correct_momentum,
+    follow_lrs,
+    master_optimizer,
+    stepped_lr,
+)
 from tensorbus.nodes.watch import Status, Watch
 from tensorbus.strategies.base import (
     Apply,
@@ -152,6 +160,7 @@ class Coordinator:
         transport: ServerFactory = ZmqServer,
         clock: Clock = SYSTEM_CLOCK,
         scheduler: SchedulerFactory | None = None,
+        server: ServerTransport | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
         (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
@@ -162,7 +171,8 @@ class Coordinator:
         `transport` makes the sockets (bus.memory's for one-loop tests); `clock` is read
         for every deadline and record (bus.clock). `scheduler`: the SPEC's, stepped here on
         the optimizer that steps the versions (nodes.schedules); under average each worker
-        steps its own, and it is not used here."""
+        steps its own, and it is not used here. `server`: sockets bound already, to
+        serve on (nodes.serving), in place of binding `config.bind`."""
         if isinstance(model, ShardModel) and (config.eval_every_s or config.eval_every_epochs):
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
@@ -222,7 +232,7 @@ class Coordinator:
                                append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
         self._serving = Serving(config, transport=transport, hub=hub, max_bytes=self._max_bytes,
-                                workers=strategy.workers, metrics=self.metrics)
+                                workers=strategy.workers, metrics=self.metrics, server=server)
         self._rejections = Rejections(self.metrics, clock, workers=strategy.workers)
         self._parking = Parking(self._serving.reply, metrics=self.metrics, watch=self.watch, clock=clock,
                                 wait=strategy.rhythm.wait)
@@ -391,6 +401,13 @@ class Coordinator:
         if isinstance(message, Join):
             await self._join(peer, message, now)
             return
+        if isinstance(message, Describe):  # a script's model, after the first's (run.own_loop)
+            refused = admission.refusal(message, layout=self.flat.layout.digest, model=self.model)
+            await self._serving.reply(peer, Ack(request=message.request, version=self.version)
+                                      if refused is None else
+                                      Reject(request=message.request, code=refused.code.value,
+                                             detail=refused.detail))
+            return
         member = self._members.get(peer)
         if member is None or member.rank != message.sender:
             if self._rejections.departed(peer) and isinstance(message, Heartbeat | Leave):
@@ -436,7 +453,8 @@ class Coordinator:
                     self._errors.append(f"worker {member.rank}: {detail}")
                 # (An error is said by the run's failure, or its worker; a normal end is not news.)
                 await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})",
-                                   warn=reason == "interrupted")
+                                   warn=reason == "interrupted",
+                                   finished=reason == "done" and self.config.until_workers_leave)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             case _:
                 await self._refuse(peer, message, RejectCode.UNEXPECTED, "not taken here")
@@ -555,6 +573,8 @@ class Coordinator:
 
     async def _apply_locked(self, decision: Apply, held: list[Held]) -> None:
         await self._know_length()
+        # A script's own loop steps its scheduler on its optimizer; ours follows it.
+        follow_lrs(self.master.optimizer, next((h.lrs for h in held if h.lrs), ""))
         started = self._clock.wall()
         await self._update([h.tensors for h in held], decision.scale,
                            loss=sum(h.loss for h in held) / len(held),
@@ -700,10 +720,11 @@ class Coordinator:
         await self._serving.publish(stop)
 
     async def _depart(self, member: Member, why: str, *, lost: bool = False,
-                      warn: bool = False) -> None:
+                      warn: bool = False, finished: bool = False) -> None:
         """`member` is no longer in the run: `lost` (killed, silent), or left, said as a
-        warning if `warn` (a worker interrupted, by a signal say: the run goes on smaller);
-        the run fails here if too few are left (`_check_minimum`)."""
+        warning if `warn` (a worker interrupted, by a signal say: the run goes on smaller),
+        or `finished` (its script's loop ended: the run ends once every one has); the run
+        fails here if too few are left (`_check_minimum`)."""
         # A departed worker's kept update stays held: the strategy may still count it.
         self._members.remove(member)
         self.watch.left(member.rank)
@@ -721,6 +742,10 @@ class Coordinator:
                 sweep()
         else:
             log.log(logging.WARNING if warn else logging.INFO, "%s %s", member.describe(), why)
+        if finished:
+            if not self._members and self._ending.running and not self._ending.stopping:
+                await self._stop("every worker's script has ended")
+            return
         await self._check_minimum()  # (as it goes: not at the next tick, trained on meanwhile)
         if self.state is State.TRAINING:
             await self._know_length()  # (it may have been the last shard not known)

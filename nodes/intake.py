@@ -41,6 +41,7 @@ class Held:
     tensors: tuple[Received, ...]  # views into received frames; they keep the frames alive
     loss: float
     samples: int
+    lrs: str = ""  # a script's learning rates (Push.lrs)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class Intake:
         for decision in decisions:
             match decision:
                 case Keep(worker=worker):
-                    self.held[worker] = Held(message.tensors, message.loss, message.samples)
+                    self.held[worker] = Held(message.tensors, message.loss, message.samples,
+                                             message.lrs)
                 case Drop(reason=reason):
                     self._metrics.dropped[reason.value] += 1
                     counts["dropped"] += 1
@@ -136,7 +138,7 @@ class Intake:
         # (Only what lies in its segment: frames are ours already.)
         copied = tuple(t.clone() if isinstance(t, torch.Tensor) and segments.holds(t) else t
                        for t in held.tensors)
-        self.held[rank] = Held(copied, held.loss, held.samples)
+        self.held[rank] = Held(copied, held.loss, held.samples, held.lrs)
         fold = self._stepper.fold
         if fold is not None and rank in fold.ranks:
             # What it folded from it, it folds again (a non-finite push after it) from the copy.

@@ -71,7 +71,8 @@ class RunLength:
     @property
     def known(self) -> bool:
         """Whether the run's length is known (always, under --steps)."""
-        return self.steps is not None or self.target_samples is not None
+        return (self.steps is not None or self.target_samples is not None
+                or self.epochs is None)  # (neither: until its workers leave)
 
     def fix_target(self) -> bool:
         """Under --epochs, fix the target in samples if the shards' lengths are known;

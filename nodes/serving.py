@@ -28,15 +28,18 @@ MakePublisher = Callable[[ServerTransport, HostToken | None], Publisher]
 
 class Serving:
     def __init__(self, config: CoordinatorConfig, *, transport: ServerFactory, hub: Hub | None,
-                 max_bytes: int, workers: int, metrics: Metrics) -> None:
-        """`workers`: the run's starting count (segments are kept for a few each)."""
+                 max_bytes: int, workers: int, metrics: Metrics,
+                 server: ServerTransport | None = None) -> None:
+        """`workers`: the run's starting count (segments are kept for a few each).
+        `server`: sockets bound already, to serve on (run.own_loop's, which waited on them
+        for a script's model); `config.bind` is not bound then."""
         self._config = config
         self._transport = transport
         self._hub = hub
         self.max_bytes = max_bytes
         self._workers = config.max_workers or workers
         self._metrics = metrics
-        self._server: ServerTransport | None = None
+        self._server: ServerTransport | None = server
         # Workers on this host push by reference (bus.shared): the proof of our /dev/shm
         # we offer them, and the segments of theirs we read from.
         self.host_token: HostToken | None = None
@@ -45,12 +48,13 @@ class Serving:
 
     def bind(self, make_publisher: MakePublisher) -> str:
         """Bind the sockets, if not done yet; return the endpoint."""
-        if self._server is None:
+        if self._publisher is None:
             config = self._config
-            self._server = self._transport(
-                config.bind, max_message_bytes=self.max_bytes, pub_port=config.pub_port,
-                keys=config.keys, hub=self._hub,
-            )
+            if self._server is None:
+                self._server = self._transport(
+                    config.bind, max_message_bytes=self.max_bytes, pub_port=config.pub_port,
+                    keys=config.keys, hub=self._hub,
+                )
             log.info("listening on %s (broadcasts on port %d)", self.endpoint, self._server.pub_port)
             # (Said in the metrics too: whoever bound port 0 finds the port chosen there.)
             self._metrics.write("listening", endpoint=self.endpoint, pub_port=self._server.pub_port)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
@@ -73,6 +74,18 @@ def stepped_lr(optimizer: torch.optim.Optimizer | None, strategy: Strategy, lr: 
     if optimizer is None or strategy.rhythm.push is PushKind.WEIGHTS:
         return lr
     return float(optimizer.param_groups[0]["lr"])
+
+
+def follow_lrs(optimizer: torch.optim.Optimizer | None, lrs: str) -> None:
+    """Step with a script's learning rates (Push.lrs: its scheduler's), one a group."""
+    if optimizer is None or not lrs:
+        return
+    values = json.loads(lrs)
+    if len(values) != len(optimizer.param_groups):
+        raise ValueError(f"{len(values)} learning rates for {len(optimizer.param_groups)} "
+                         "parameter groups")
+    for group, lr in zip(optimizer.param_groups, values, strict=True):
+        group["lr"] = float(lr)
 
 
 class Stepper:

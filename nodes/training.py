@@ -246,7 +246,7 @@ class TrainingLoop:
                     loss=loss, samples=samples, tensors=part, began=step.began,
                     compute_s=self._clock.monotonic() - step.started, comm_s=comm_s,
                     wait_s=wait_s, batches=self._data.length,
-                    overflows=scale.skipped if scale is not None else 0,
+                    overflows=scale.skipped if scale is not None else 0, lrs=self._worker.lrs,
                     state=link.model_buffers.copy() if link.model_buffers is not None else ())
         return await link.request_tracked(push, patient=True, refer=refer)
 

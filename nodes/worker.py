@@ -41,7 +41,7 @@ from tensorbus.bus.messages import Phase, Ready, Welcome
 from tensorbus.bus.shared import Ref
 from tensorbus.bus.transport import ClientFactory, Hub, ZmqClient
 from tensorbus.nodes.colocated_sets import ColocatedSets
-from tensorbus.nodes.compute import FINISHING_SAY_S, ComputeThread
+from tensorbus.nodes.compute import FINISHING_SAY_S, ComputeThread, ScriptEnded
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.epochs import Data, DataError, RankData, seed_generators
 from tensorbus.nodes.flat import FlatModel
@@ -110,6 +110,7 @@ class Worker:
         self.clock = 0  # pushes made
         self.rejoins = 0
         self.last_loss: float | None = None
+        self.lrs = ""  # what pushes say of a script's learning rates (nodes.own_loop)
         self._push_memory = PushMemory(enabled=config.shared_memory and self.device.type == "cpu")
         # One link a coordinator shard, each owning its range of the flat parameters (the
         # whole model when there is one coordinator).
@@ -182,6 +183,8 @@ class Worker:
         except asyncio.CancelledError:
             await self._leave("interrupted", self.stopped_by or "")
             raise
+        except ScriptEnded:
+            await self._leave("done", "")  # (a script's own loop ended: nodes.own_loop)
         except Exception as e:
             await self._leave("error", str(e))
             raise

@@ -38,7 +38,7 @@ from tensorbus.nodes.link import RunFailedError
 from tensorbus.nodes.metrics import MetricsError
 from tensorbus.nodes.relay import Relay
 from tensorbus.nodes.worker import ComputeError, DataError, Worker
-from tensorbus.run import cluster, device, flags, interrupts
+from tensorbus.run import cluster, device, flags, interrupts, own_loop
 from tensorbus.run import summary as run_summary
 from tensorbus.run.export import check_writable, export, save_model
 from tensorbus.run.faults import parse_worker
@@ -56,7 +56,7 @@ DONE = "worker {rank} done: "  # how a worker's last line begins when it ends we
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(flags.parser().parse_args(argv))
+    return run(flags.parse(sys.argv[1:] if argv is None else argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         commands = {"local": _local, "coordinator": _coordinator, "worker": _worker, "relay": _relay,
-                    "keys": _keys, "plot": _plot, "export": _export}
+                    "keys": _keys, "plot": _plot, "export": _export, "launch": _launch}
         return commands[args.command](args)
     except KeyboardInterrupt as e:
         return fail(e, "interrupted", 130)
@@ -128,9 +128,23 @@ def _local(args: argparse.Namespace) -> int:
     return _ended(args, summary)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    """`tensorbus launch SCRIPT`: a coordinator of the script's model, and N copies of it."""
+    options = RunOptions.from_args(args)
+    own_loop.check(options)
+    summary = own_loop.launch(args.script, options, args.script_args, threads=args.threads)
+    return _ended(args, summary)
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     args.bind, args.workers = _served(args)
     _refuse_public_bind(args)
+    if args.spec is None:  # scripts that bring their own loop describe the model
+        options = RunOptions.from_args(args)
+        own_loop.check(options)
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            summary = runner.run(own_loop.serve(options, bind=args.bind, pub_port=args.pub_port))
+        return _ended(args, summary)
     if args.save is not None:
         if args.shard is not None and args.shard[1] > 1:
             raise ValueError(f"--save writes the whole model, and --shard {args.shard[0]}/"

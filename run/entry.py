@@ -21,7 +21,7 @@ def main() -> int:
     # A request for the status table (run.status) that comes before it listens, or after,
     # is let pass, not fatal (SIGUSR1's default ends the process).
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    args = flags.parser().parse_args()
+    args = flags.parse(sys.argv[1:])
     try:
         from tensorbus.run.cli import run
     except KeyboardInterrupt:

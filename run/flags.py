@@ -80,6 +80,17 @@ def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
     return sorted(set(found))
 
 
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line; `launch` hands everything after `--` to its script."""
+    argv = list(argv)
+    if argv[:1] == ["launch"] and "--" in argv:
+        cut = argv.index("--")
+        args = parser().parse_args(argv[:cut])
+        args.script_args = argv[cut + 1:]
+        return args
+    return parser().parse_args(argv)
+
+
 def parser() -> OneLineParser:
     top = OneLineParser(prog="tensorbus",
                         description="Train one PyTorch model on many processes over ZeroMQ.")
@@ -103,7 +114,9 @@ def parser() -> OneLineParser:
                             "step, as a ring all-reduce does (sync and average)")
 
     coordinator = commands.add_parser("coordinator", help="the coordinator alone")
-    _common(coordinator)
+    _common(coordinator, spec="a SPEC: a Python file or module:object; none: the model of "
+                              "scripts that bring their own loop (tensorbus.init), which "
+                              "the first of them describes")
     _training(coordinator, workers_from_env=True)
     coordinator.add_argument("--bind", help="tcp://HOST:PORT for requests (default: "
                                             "tcp://0.0.0.0:PORT with --keys, else "
@@ -117,6 +130,17 @@ def parser() -> OneLineParser:
                                   "owning a range of the parameters; start every shard with "
                                   "the same options, and give workers every shard's address "
                                   "in order: --connect ADDR0,ADDR1,...")
+
+    launch = commands.add_parser(
+        "launch", help="a coordinator and N copies of a script with its own training loop "
+                       "(tensorbus.init and DistributedOptimizer) on this machine",
+        epilog="Everything after -- goes to the script: tensorbus launch train.py --workers "
+               "4 -- --epochs 3")
+    launch.add_argument("script", help="the Python script")
+    launch.set_defaults(script_args=[])  # (what follows --: see parse)
+    launch.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    _logging(launch)
+    _training(launch)
 
     worker = commands.add_parser("worker", help="one worker")
     _common(worker)
@@ -204,8 +228,12 @@ def _logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="print the traceback of an error")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="a SPEC: a Python file or module:object")
+def _common(p: argparse.ArgumentParser, *, spec: str | None = None) -> None:
+    """`spec`: the SPEC's help, where it may be left out (else it is required)."""
+    if spec is None:
+        p.add_argument("spec", help="a SPEC: a Python file or module:object")
+    else:
+        p.add_argument("spec", nargs="?", help=spec)
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
     _logging(p)
 

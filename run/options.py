@@ -37,7 +37,8 @@ from tensorbus.strategies.base import PushKind, Wait
 
 DEFAULT_LR = 0.1  # the learning rate of the default SGD, when the SPEC has no optimizer()
 # The CoordinatorConfig fields that no run option sets: each node's own, from its launcher.
-NODE_SETTINGS = frozenset({"bind", "pub_port", "stop_timeout_s", "first_rank", "world_size"})
+NODE_SETTINGS = frozenset({"bind", "pub_port", "stop_timeout_s", "first_rank", "world_size",
+                           "until_workers_leave"})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,7 @@ from tensorbus.bus.messages import (
     Ack,
     Changes,
     Collective,
+    Describe,
     Heartbeat,
     Join,
     Kind,
@@ -155,7 +156,7 @@ SAMPLES = {
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14, overflows=2,
-                    tensors=WEIGHTS),
+                    lrs="[0.1, 0.01]", tensors=WEIGHTS),
     Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
     Kind.PULL: Pull(sender=3, request=14, version=6),
     Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, generation=3, tensors=WEIGHTS),
@@ -173,6 +174,9 @@ SAMPLES = {
                         detail="rank 1 called barrier()", tensors=WEIGHTS),
     Kind.CHANGES: Changes(sender=COORDINATOR, request=20, version=9, base=7,
                           tensors=(torch.tensor([0, 5]), torch.tensor([0.5, -2.0]))),
+    Kind.DESCRIBE: Describe(sender=3, request=21, version=1, layout="0f1e2d3c4b5a6978",
+                            model='{"params": [["w", [6], "float32", true]], "buffers": []}',
+                            build="0.1.0", tensors=WEIGHTS),
 }
 
 
@@ -211,7 +215,8 @@ def test_header_is_the_documented_map():
         "v": 7,
         "t": [["float32", [6], 24, CHUNK_BYTES], ["int64", [3], 24, CHUNK_BYTES]],
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
-              "comm_s": 0.003, "wait_s": 0.01, "batches": 14, "overflows": 2},
+              "comm_s": 0.003, "wait_s": 0.01, "batches": 14, "overflows": 2,
+              "lrs": "[0.1, 0.01]"},
     }
     assert len(frames) == 3
 

@@ -1,0 +1,355 @@
+"""Bring your own training loop: `tensorbus.init()` and `DistributedOptimizer`.
+
+A script keeps its loop (its argparse, its data, its logging, its checkpoints) and adds:
+
+    ctx = tensorbus.init()
+    optimizer = tensorbus.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+`init` reads where this process stands from the launcher (nodes.cluster's conventions:
+torchrun, Open MPI, Slurm; `tensorbus launch` sets torchrun's) and where the coordinator is
+from TENSORBUS_COORDINATOR (tcp://HOST:PORT). Without either, the script runs as a world of
+one and the optimizer steps as it always did.
+
+Behind `DistributedOptimizer`, a worker (nodes.worker) runs on a thread of its own with its
+event loop: it describes the model and optimizer to the coordinator (nodes.description),
+joins, loads the run's initial weights into the script's model, and follows the strategy's
+rhythm. The script's thread plays the compute thread's part: where a SPEC worker computes a
+step, this one hands the turn to the script and waits for its `step()`. So:
+
+- gradient strategies (sync, backups, ssp, async): `step()` pushes the gradient that
+  backward left in the model, and returns once the next weights are loaded into it (under
+  async, pipelined: at once, on the newest weights seen). The coordinator holds the
+  optimizer, built from the description, as for a SPEC run: sync is then one optimizer
+  step on the mean gradient, the same arithmetic as single-process training on the
+  combined batch.
+- average: `step()` steps the script's own optimizer, and every H steps pushes the weights
+  and loads their average.
+
+Only the script's thread touches the model between its `step()`s; the worker's thread
+touches it only while the script waits in `step()` (the two take turns: `_Turns`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import logging
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.errors import PeerTimeoutError, RejectedError
+from tensorbus.bus.messages import Ack, Describe, Ready, Reject, Welcome
+from tensorbus.bus.protocol import BUILD
+from tensorbus.bus.transport import ZmqClient, new_event_loop
+from tensorbus.nodes.compute import ScriptEnded
+from tensorbus.nodes.config import WorkerConfig
+from tensorbus.nodes.description import describe
+from tensorbus.nodes.epochs import RankData
+from tensorbus.nodes.link import RunFailedError
+from tensorbus.nodes.run_length import RELAY
+from tensorbus.nodes.version_chain import PendingVersion
+from tensorbus.nodes.worker import Worker
+from tensorbus.strategies.base import PushKind
+
+log = logging.getLogger("tensorbus.worker")
+
+COORDINATOR_VARIABLE = "TENSORBUS_COORDINATOR"  # tcp://HOST:PORT of the coordinator
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where this process stands in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    coordinator: str | None  # tcp://HOST:PORT; None: a world of one, no coordinator
+
+
+_context: Context | None = None
+
+
+def init(*, device: str | torch.device | None = None) -> Context:
+    """This process's place in the run, from its launcher's variables and
+    TENSORBUS_COORDINATOR; a world of one outside any launcher. `device`: where the model
+    trains (default: cuda:LOCAL_RANK where CUDA is, else the CPU)."""
+    global _context
+    from tensorbus.run.cluster import placement  # (pure; run/ imports nodes/, not back)
+
+    environ = os.environ
+    found = placement(environ)
+    coordinator = environ.get(COORDINATOR_VARIABLE) or None
+    if coordinator is None and found.source != "flags" and (found.world_size or 1) > 1:
+        raise ValueError(f"this process is rank {found.rank} of a {found.source} launch, and "
+                         f"{COORDINATOR_VARIABLE} is not set: set it to the coordinator's "
+                         "tcp://HOST:PORT (tensorbus launch sets it)")
+    if coordinator is not None and (found.rank < 0 or found.world_size is None):
+        raise ValueError(f"{COORDINATOR_VARIABLE} is set but no rank and world size are: "
+                         "start the script with tensorbus launch, torchrun, srun or mpirun "
+                         "(or set RANK and WORLD_SIZE)")
+    if device is None:
+        device = f"cuda:{found.local_rank}" if torch.cuda.is_available() else "cpu"
+    _context = Context(rank=max(found.rank, 0), world_size=found.world_size or 1,
+                       local_rank=found.local_rank, device=torch.device(device),
+                       coordinator=coordinator)
+    return _context
+
+
+class _Turns:
+    """The script's thread and the worker's compute thread, taking turns on the model."""
+
+    def __init__(self) -> None:
+        self._script = threading.Semaphore(0)  # the script's turn: weights loaded
+        self._worker = threading.Semaphore(0)  # the worker's turn: a step() came
+        self.ended: BaseException | None = None  # the run is over for this script: why
+        self.done = False  # the script has ended its loop (close)
+        self.failed = ""  # ... with this exception, uncaught ("": it ended well)
+        self.loss = 0.0  # what the script's last step() reported
+
+    def to_script(self) -> None:
+        self._script.release()
+
+    def to_worker(self) -> None:
+        self._worker.release()
+
+    def wait_for_script(self) -> None:
+        """On the compute thread: until the script's next step(), or its end."""
+        while not self._worker.acquire(timeout=0.2):
+            if self.ended is not None:
+                raise ScriptEnded
+        if self.done:
+            if self.failed:
+                raise ScriptFailed(self.failed)
+            raise ScriptEnded
+
+    def wait_for_worker(self) -> None:
+        """On the script's thread: until the next weights are in the model."""
+        while not self._script.acquire(timeout=0.2):
+            if self.ended is not None:
+                raise self.ended
+
+    def end(self, why: BaseException) -> None:
+        self.ended = why
+        self._script.release()
+        self._worker.release()
+
+
+class ScriptFailed(Exception):
+    """The script ended on an exception it did not catch: its worker leaves with it."""
+
+
+class _ScriptWorker(Worker):
+    """A worker whose steps are the script's: it hands the turn to the script where a SPEC
+    worker would compute, and takes it back at the script's step()."""
+
+    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, config: WorkerConfig,
+                 turns: _Turns) -> None:
+        super().__init__(model=model, data=lambda *_: [], loss=_no_loss, config=config)
+        self._data = _ScriptData(lambda *_: [], self.device)  # (what pushes say of it)
+        self._turns = turns
+        self._optimizer = optimizer
+        self.weights_pushed = False
+
+    async def _train(self, welcome: Welcome) -> None:
+        self.weights_pushed = PushKind(welcome.push) is PushKind.WEIGHTS
+        if self.weights_pushed:
+            self._local_steps.optimizer = self._optimizer  # the script steps it (average)
+        await self._local_steps.configure(welcome, self.rank, weights_pushed=self.weights_pushed,
+                                          off_loop=self._off_loop)
+        # Counted in at the start gate; its data is the script's (it never says how much).
+        await asyncio.gather(*(link.request(Ready(sender=self.rank, version=link.version,
+                                                  batches=-2), patient=True)
+                               for link in self.links))
+        from tensorbus.bus.layout import Compression
+        await self._loop(welcome, Compression.parse(welcome.compress), self.weights_pushed, None)
+
+    def _compute(self, latest: list[PendingVersion | None], local_steps: int, current: int,
+                 announce: Callable[[int], None] | None,
+                 loaded: Callable[[], object] | None = None) -> tuple[float, int]:
+        """On the compute thread: load the newest weights, then give the script the turn
+        for `local_steps` of its steps, and put what they made in the outbox."""
+        for i, link in enumerate(self.links):
+            weights, latest[i] = latest[i], None
+            if weights is not None:
+                link.versions.load(weights)
+            del weights
+        if loaded is not None:
+            loaded()
+        turns, total = self._turns, 0.0
+        for _ in range(local_steps):
+            turns.to_script()
+            turns.wait_for_script()
+            total += turns.loss
+            self._local_steps.count += 1
+        outbox = self._local_steps.outbox
+        assert outbox is not None
+        # (Where the coordinator steps: with the script's rates, its scheduler's.)
+        self.lrs = json.dumps([float(group["lr"]) for group in self._optimizer.param_groups])
+        if self.weights_pushed:
+            self.flat.stage(weights=True)
+        else:
+            self.flat.gather_grads()
+            for i in range(len(self.links)):
+                outbox.fill(i, current)
+        return total / local_steps, 0
+
+
+class _ScriptData(RankData):
+    """The script's data is its own: how much there is, it never says."""
+
+    @property
+    def length(self) -> int:
+        return RELAY  # (as a relay's: the run's length is not counted in its batches)
+
+
+def _no_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
+    raise RuntimeError("an own loop computes its own loss")
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """`optimizer`, stepped as the run's strategy says (see the module docstring).
+
+    A torch optimizer itself, over the wrapped one's parameter groups and state (the same
+    objects): an LR scheduler made on either steps both. `backward_passes_per_step`:
+    backward passes the script makes before each step() (their gradients accumulate in the
+    model, as without tensorbus; divide the loss by it for a mean). Outside a run (a world
+    of one), step() is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *,
+                 backward_passes_per_step: int = 1) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be at least 1, got "
+                             f"{backward_passes_per_step}")
+        # (Optimizer.__init__ is not called: its groups and state are the wrapped one's.)
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.optimizer = optimizer
+        self.model = model
+        self.backward_passes_per_step = backward_passes_per_step
+        context = _context or init()
+        self.context = context
+        self._turns = _Turns()
+        self._thread: threading.Thread | None = None
+        self._worker: _ScriptWorker | None = None
+        self._first = True
+        if context.coordinator is None:
+            return  # a world of one
+        model.to(context.device)
+        described = Describe(sender=context.rank, layout="", model=describe(model, optimizer),
+                             build=BUILD)
+        config = WorkerConfig(connect=context.coordinator, rank=context.rank,
+                              device=str(context.device), shared_memory=False)
+        self._worker = _ScriptWorker(model=model, optimizer=optimizer, config=config,
+                                     turns=self._turns)
+        flat = self._worker.flat  # the model's tensors now lie in its flat buffers
+        self._describe = Describe(
+            sender=context.rank, layout=flat.layout.digest, model=described.model, build=BUILD,
+            tensors=flat.weights, state=flat.model_buffers.flat if flat.model_buffers else ())
+        self._thread = threading.Thread(target=self._serve, name="tensorbus-worker", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+        self._turns.wait_for_worker()  # the run's initial weights are in the model now
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One step of the run's strategy; the closure's loss, if one is given (it is
+        reported to the coordinator)."""
+        loss = closure() if closure is not None else None
+        worker = self._worker
+        if worker is None:
+            self.optimizer.step()
+            return loss
+        if worker.weights_pushed:
+            self.optimizer.step()  # a local step; the average comes every H of them
+        self._turns.loss = float(loss) if loss is not None and math.isfinite(float(loss)) else 0.0
+        self._turns.to_worker()
+        self._turns.wait_for_worker()
+        return loss
+
+    def _at_exit(self) -> None:
+        # An exception nobody caught ends the script: said to the coordinator as its error.
+        uncaught = getattr(sys, "last_value", None)
+        self.close(f"{type(uncaught).__name__}: {uncaught}" if uncaught is not None else "")
+
+    def close(self, failed: str = "") -> None:
+        """Leave the run (the script's loop is over; `failed`: with this error): called at
+        exit if not before."""
+        if self._thread is None or self._turns.done:
+            return
+        self._turns.failed = failed
+        self._turns.done = True
+        self._turns.to_worker()
+        self._thread.join(timeout=30)
+        failure = self._failure
+        if failure is not None and not isinstance(failure, ScriptEnded):
+            log.debug("the run ended with %r", failure)
+
+    _failure: BaseException | None = None
+
+    def _serve(self) -> None:
+        """The worker's thread: describe, join, follow the rhythm, until the script ends."""
+        assert self._worker is not None
+        loop = new_event_loop()
+        try:
+            loop.run_until_complete(self._run())
+        except BaseException as e:  # noqa: BLE001 - handed to the script's thread
+            self._failure = e
+            self._turns.end(e if not isinstance(e, ScriptEnded) else RunFailedError(
+                "the run ended for this script"))
+        else:
+            self._turns.end(RunFailedError("the run is over: the coordinator stopped it"))
+        finally:
+            loop.close()
+
+    async def _run(self) -> None:
+        worker = self._worker
+        assert worker is not None
+        await _describe(worker.config.endpoints[0], self._describe, worker.config.join_timeout_s)
+        await worker.run()
+
+
+async def _describe(endpoint: str, message: Describe, within_s: float) -> None:
+    """Tell the coordinator the model and optimizer, until it answers: Ack (it took
+    them, or has the same model), or Reject (another model: RejectedError)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    client = ZmqClient(endpoint, max_message_bytes=1 << 20)
+    try:
+        frames = encode(message)
+        wait = 1.0
+        while True:
+            await client.send(frames)
+            try:
+                reply = decode(await asyncio.wait_for(client.recv(), timeout=wait))
+            except TimeoutError:
+                if loop.time() > deadline:
+                    raise PeerTimeoutError(f"the coordinator at {endpoint}", "describe",
+                                           within_s) from None
+                wait = min(wait * 2, 5.0)
+                continue
+            if isinstance(reply, Reject):
+                raise RejectedError(reply.code, reply.detail)
+            if isinstance(reply, Ack):
+                return
+    finally:
+        client.close()

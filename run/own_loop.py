@@ -1,0 +1,216 @@
+"""The coordinator of scripts that bring their own training loop, and `tensorbus launch`.
+
+Started without a SPEC, a coordinator has no model until a script describes its own
+(nodes.own_loop sends a Describe before it joins): it binds its sockets, takes the first
+Describe, builds the model's shell and its optimizer from it (nodes.description), loads
+the script's initial weights into it, and becomes the run's coordinator on the same
+sockets. Every rank joins it and loads its first version: all start from the first
+script's weights. A later Describe is answered by the coordinator: the same model, or a
+one-line refusal.
+
+The run ends when every script has ended its loop (`until_workers_leave`), not at a number
+of steps or epochs: those are the script's.
+
+`launch` starts that coordinator in this process and N copies of the script beside it, each
+with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) and TENSORBUS_COORDINATOR, and
+returns the coordinator's summary once they have all ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.errors import WireError
+from tensorbus.bus.messages import Ack, Describe, Reject, RejectCode
+from tensorbus.bus.pieces import Received, whole
+from tensorbus.bus.transport import ZmqServer, new_event_loop
+from tensorbus.nodes.coordinator import Coordinator, Progress
+from tensorbus.nodes.description import DescriptionError, build, build_optimizer
+from tensorbus.nodes.failures import TrainingError
+from tensorbus.nodes.flat import FlatModel
+from tensorbus.nodes.own_loop import COORDINATOR_VARIABLE
+from tensorbus.run.options import RunOptions, coordinator_config, make_strategy
+from tensorbus.strategies.base import PushKind
+
+log = logging.getLogger("tensorbus.coordinator")
+
+# The largest Describe taken: the model's initial weights ride in it (4 GiB: a billion
+# float32 parameters). Only the first is read this way; later ones go to the coordinator.
+MAX_DESCRIBE_BYTES = 1 << 32
+
+
+def check(options: RunOptions) -> None:
+    """Refuse the options that are the script's to decide, in one line."""
+    theirs = {"steps": "--steps", "epochs": "--epochs", "save": "--save",
+              "checkpoint_dir": "--checkpoint-dir", "eval_every_s": "--eval-every",
+              "eval_every_epochs": "--eval-every"}
+    for field, flag in theirs.items():
+        if getattr(options, field) is not None:
+            raise ValueError(f"{flag}: a script that brings its own loop decides that itself "
+                             "(its epochs, its evaluation, its checkpoints): drop it")
+    if options.shards > 1 or options.colocate:
+        raise ValueError("a script's own loop trains with one coordinator: drop --shards "
+                         "and --colocate")
+
+
+async def first_description(server: ZmqServer, *, within_s: float) -> Describe:
+    """The first Describe that comes to `server`, its tensors copied out of the frames."""
+    endpoint = server.endpoint
+    log.info("listening on %s (broadcasts on port %d), for the first script to describe its "
+             "model", endpoint, server.pub_port)
+    try:
+        while True:
+            peer, frames = await asyncio.wait_for(server.recv(), timeout=within_s)
+            try:
+                message = decode(frames, max_bytes=MAX_DESCRIBE_BYTES)
+            except WireError as e:
+                await server.send(peer, encode(Reject(request=e.request, code=e.code.value,
+                                                      detail=str(e)[:1000])))
+                continue
+            if not isinstance(message, Describe):
+                # (A Join before the model is known: its link asks again.)
+                await server.send(peer, encode(Reject(
+                    request=message.request, code=RejectCode.UNEXPECTED.value,
+                    detail="this coordinator has no model yet: describe it first")))
+                continue
+            copied = dataclasses.replace(
+                message, tensors=tuple(_copy(t) for t in message.tensors),
+                state=tuple(_copy(t) for t in message.state))
+            await server.send(peer, encode(Ack(request=message.request)))
+            return copied
+    except TimeoutError:
+        raise TrainingError(f"no script described its model to {endpoint} within "
+                            f"{within_s:.0f} s: is any running, with {COORDINATOR_VARIABLE}="
+                            f"{endpoint}?") from None
+
+
+def _copy(received: Received) -> torch.Tensor:
+    return whole(received).clone()
+
+
+def own_loop_coordinator(
+    described: Describe, options: RunOptions, server: ZmqServer, *,
+    on_step: Callable[[Progress], None] | None = None,
+) -> Coordinator:
+    """The run's coordinator for the model and optimizer `described`, starting from the
+    weights it carries, serving on `server`."""
+    shell, optimizer = build(described.model)
+    flat = FlatModel(shell)
+    if flat.layout.digest != described.layout:
+        raise DescriptionError(f"the described model's layout is {flat.layout.digest}, and the "
+                               f"script said {described.layout}: report this, it is a bug")
+    flat.load(described.tensors)
+    if flat.model_buffers and described.state:
+        flat.model_buffers.load(described.state)
+    strategy = make_strategy(options)
+    if strategy.rhythm.push is PushKind.GRADIENT and optimizer is None:
+        raise DescriptionError(
+            f"under {strategy.name} the coordinator steps the script's optimizer, and none "
+            "was described: give DistributedOptimizer one of torch.optim's optimizers, or "
+            "choose --strategy average")
+    config = dataclasses.replace(
+        coordinator_config(options, bind=server.endpoint, pub_port=server.pub_port),
+        steps=None, epochs=None, until_workers_leave=True)
+    coordinator = Coordinator(
+        model=shell, strategy=strategy, config=config,
+        optimizer=(lambda params: build_optimizer(optimizer, list(params))) if optimizer else None,
+        on_step=on_step, server=server)
+    server.limit(coordinator.master.flat.layout.nbytes + 65536)  # (as its own bind's)
+    return coordinator
+
+
+async def serve(options: RunOptions, *, bind: str, pub_port: int | None = None,
+                on_step: Callable[[Progress], None] | None = None,
+                bound: Callable[[str], None] | None = None,
+                made: Callable[[Coordinator], None] | None = None) -> dict[str, Any]:
+    """Wait for the first script's model, then coordinate the run until every script has
+    ended; the summary. `bound`: told the endpoint once bound; `made`: the coordinator."""
+    server = ZmqServer(bind, max_message_bytes=MAX_DESCRIBE_BYTES, pub_port=pub_port)
+    try:
+        if bound is not None:
+            bound(server.endpoint)
+        described = await first_description(server, within_s=options.join_timeout_s)
+        coordinator = own_loop_coordinator(described, options, server, on_step=on_step)
+    except BaseException:
+        server.close()
+        raise
+    if made is not None:
+        made(coordinator)
+    return await coordinator.run()
+
+
+def launch(script: str | Path, options: RunOptions, script_args: Sequence[str] = (), *,
+           bind: str = "tcp://127.0.0.1:0", threads: int | None = None) -> dict[str, Any]:
+    """Run `script` N times beside a coordinator of its model (see the module docstring);
+    the coordinator's summary. A script that fails is said in its own output; the run goes
+    on without it."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(_launch(Path(script), options, list(script_args), bind, threads))
+
+
+async def _launch(script: Path, options: RunOptions, script_args: list[str], bind: str,
+                  threads: int | None) -> dict[str, Any]:
+    at: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    coordinators: list[Coordinator] = []
+    served = asyncio.ensure_future(serve(options, bind=bind, bound=at.set_result,
+                                         made=coordinators.append))
+    either: set[asyncio.Future[Any]] = {at, served}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if served.done():
+        return served.result()  # (it could not bind: raises)
+    endpoint = at.result()
+    environ = {**os.environ, COORDINATOR_VARIABLE: endpoint, "WORLD_SIZE": str(options.workers),
+               "LOCAL_WORLD_SIZE": str(options.workers), "MASTER_ADDR": "127.0.0.1"}
+    if threads is not None:
+        environ["OMP_NUM_THREADS"] = str(threads)
+    scripts = [subprocess.Popen([sys.executable, str(script), *script_args],
+                                env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)})
+               for r in range(options.workers)]
+    watch = asyncio.ensure_future(_watch(scripts, coordinators))
+    try:
+        await asyncio.wait({served, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and not served.done():
+            served.cancel()
+            watch.result()  # (raises: every script ended before the run could begin)
+        return await served
+    finally:
+        watch.cancel()
+        for process in scripts:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in scripts:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def _watch(scripts: list[subprocess.Popen[bytes]], coordinators: list[Coordinator]) -> None:
+    """Remove a script that died from the run at once (its traceback, if any, is in its own
+    output), rather than after --timeout of silence."""
+    said: set[int] = set()
+    while True:
+        await asyncio.sleep(0.2)
+        if not coordinators and all(process.poll() is not None for process in scripts):
+            raise TrainingError("every script ended before any described its model (their "
+                                "output says why): does each create a DistributedOptimizer?")
+        for rank, process in enumerate(scripts):
+            code = process.poll()
+            if code not in (None, 0) and rank not in said and coordinators:
+                said.add(rank)
+                why = (f"died of {signal.Signals(-code).name}" if code < 0
+                       else f"exited with status {code}")
+                await coordinators[0].remove(rank, f"(its script) {why}: removed")

@@ -1,0 +1,152 @@
+"""Scripts that bring their own training loop (examples/own_loop.py): `tensorbus launch`,
+`tensorbus coordinator` with no SPEC, torchrun, a world of one, and a script that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import zygote
+from cluster import ANY_PORT, bound_in_log
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "own_loop.py"
+DIGITS = ROOT / "examples" / "digits.py"
+QUIET = ["--threads", "1", "--no-progress", "--json"]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _launch(*args: str, script: Path = EXAMPLE, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    return zygote.shared().run(["launch", str(script), *args], cwd=ROOT, capture_output=True,
+                               text=True, timeout=timeout, check=False)
+
+
+def _accuracies(err: str) -> dict[int, float]:
+    """Each rank's last test accuracy, as the example logs it."""
+    found = re.findall(r"rank (\d+) epoch \d+: test loss [\d.]+, accuracy ([\d.]+) %", err)
+    return {int(rank): float(accuracy) for rank, accuracy in found}
+
+
+def test_sync_gives_the_weights_of_the_spec_route(tmp_path: Path) -> None:
+    """The example under sync with 2 workers, and examples/digits.py as a SPEC run with the
+    same model, seed, data order and SGD: the same weights, to 1e-5."""
+    spec = zygote.shared().run(
+        ["local", str(DIGITS), "--workers", "2", "--epochs", "2", "--batch-size", "16",
+         "--lr", "0.1", "--seed", "0", "--save", str(tmp_path / "spec.pt"), *QUIET],
+        cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
+    assert spec.returncode == 0, spec.stderr
+    own = _launch("--workers", "2", *QUIET, "--", "--epochs", "2", "--batch-size", "16",
+                  "--lr", "0.1", "--seed", "0", "--save", str(tmp_path / "own.pt"))
+    assert own.returncode == 0, own.stderr
+    summary = json.loads(own.stdout)
+    assert summary["steps"] == json.loads(spec.stdout)["steps"] == 92
+    assert summary["ended"] == "every worker's script has ended"
+    ours, theirs = torch.load(tmp_path / "own.pt"), torch.load(tmp_path / "spec.pt")
+    assert list(ours) == list(theirs)
+    for name in ours:
+        assert torch.allclose(ours[name], theirs[name], rtol=0, atol=1e-5), name
+    # Every rank ends on the same weights, so the same test figures.
+    accuracies = _accuracies(own.stderr)
+    assert sorted(accuracies) == [0, 1] and accuracies[0] == accuracies[1]
+
+
+@pytest.mark.parametrize(("strategy", "options"), [
+    ("sync", ["--backups", "1"]), ("ssp", []), ("async", []), ("average", ["--average-every", "4"]),
+])
+def test_every_strategy_trains_the_example(strategy: str, options: list[str]) -> None:
+    workers = "3" if options[:1] == ["--backups"] else "2"
+    done = _launch("--workers", workers, "--strategy", strategy, *options, *QUIET, "--",
+                   "--epochs", "2")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["strategy"] == strategy and summary["steps"] > 0
+    assert summary["ended"] == "every worker's script has ended"
+    accuracies = _accuracies(done.stderr)
+    assert sorted(accuracies) == list(range(int(workers)))
+    assert min(accuracies.values()) > 60.0, done.stderr[-2000:]  # chance is 10 %
+
+
+@pytest.mark.parametrize("how", ["raises", "killed"])
+def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str) -> None:
+    """Rank 1 raises after its 31st step (its traceback is its own, and it leaves the run
+    with its error), or is killed there (the launcher sees it die and removes it at once):
+    rank 0 trains to its end alone."""
+    end = ("raise RuntimeError('rank 1 gives up')" if how == "raises"
+           else "__import__('os').kill(__import__('os').getpid(), 9)")
+    script = tmp_path / "dies.py"
+    script.write_text(EXAMPLE.read_text().replace(
+        "Path(__file__).resolve().parent", repr(str(EXAMPLE.parent))).replace(
+        "            optimizer.step()\n",
+        "            optimizer.step()\n"
+        "            if ctx.rank == 1 and epoch == 1 and i == 30:\n"
+        f"                {end}\n"))
+    done = _launch("--workers", "2", *QUIET, "--log-level", "info", "--", "--epochs", "2",
+                   script=script)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["steps"] == 92  # rank 0 went on through both its epochs
+    assert summary["per_worker"]["1"]["pushes"] == 31
+    assert 0 in _accuracies(done.stderr) and 1 not in _accuracies(done.stderr)
+    if how == "raises":
+        assert "RuntimeError: rank 1 gives up" in done.stderr  # its traceback, in its output
+        assert re.search(r"worker 1 .* left \(error: RuntimeError: rank 1 gives up\)",
+                         done.stderr)
+        assert summary["lost"] == []
+    else:
+        assert [w["rank"] for w in summary["lost"]] == [1]
+        assert "(its script) died of SIGKILL: removed" in done.stderr
+
+
+def test_the_coordinator_steps_with_the_script_s_scheduled_lr(tmp_path: Path) -> None:
+    """StepLR on the script's optimizer, halving the lr after each epoch: under sync the
+    coordinator steps the optimizer, with the rate each push carries."""
+    metrics = tmp_path / "m.jsonl"
+    done = _launch("--workers", "2", "--metrics", str(metrics), *QUIET, "--", "--epochs", "2",
+                   "--gamma", "0.5")
+    assert done.returncode == 0, done.stderr
+    lrs = [r["lr"] for r in map(json.loads, metrics.read_text().splitlines())
+           if r["event"] == "step"]
+    assert lrs == [0.1] * 46 + [0.05] * 46
+
+
+def test_alone_the_script_is_a_plain_pytorch_script() -> None:
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "TENSORBUS_COORDINATOR")}
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "1"], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert sorted(_accuracies(done.stderr)) == [0]
+
+
+def test_torchrun_against_a_coordinator_started_by_hand(tmp_path: Path) -> None:
+    """`tensorbus coordinator` with no SPEC, and torchrun's two processes finding it from
+    TENSORBUS_COORDINATOR."""
+    log = tmp_path / "coordinator.log"
+    with log.open("w") as logged:
+        coordinator = zygote.shared().popen(
+            ["coordinator", "--workers", "2", "--bind", ANY_PORT, *QUIET, "--log-level", "info"],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logged, text=True)
+    try:
+        endpoint, _ = bound_in_log(coordinator, log)
+        environ = {**os.environ, "TENSORBUS_COORDINATOR": endpoint, "OMP_NUM_THREADS": "1"}
+        ran = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(EXAMPLE), "--epochs", "1"],
+            cwd=ROOT, env=environ, capture_output=True, text=True, timeout=90, check=False)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        out, _ = coordinator.communicate(timeout=30)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.communicate()
+    assert coordinator.returncode == 0, log.read_text()
+    summary = json.loads(out)
+    assert summary["steps"] == 46 and sorted(summary["per_worker"]) == ["0", "1"]
+    assert sorted(_accuracies(ran.stderr + ran.stdout)) == [0, 1]
