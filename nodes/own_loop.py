@@ -26,32 +26,37 @@ step, this one hands the turn to the script and waits for its `step()`. So:
   and loads their average.
 
 Only the script's thread touches the model between its `step()`s; the worker's thread
-touches it only while the script waits in `step()` (the two take turns: `_Turns`).
+touches it only while the script waits in `step()` (the two take turns: `_ScriptThread`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
+import contextvars
+import functools
 import json
 import logging
 import math
 import os
+import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
+from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Ack, Describe, Ready, Reject, Welcome
 from tensorbus.bus.protocol import BUILD
 from tensorbus.bus.transport import ZmqClient, new_event_loop
-from tensorbus.nodes.compute import ScriptEnded
+from tensorbus.nodes.compute import ComputeThread, Job, ScriptEnded
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.description import describe
 from tensorbus.nodes.epochs import RankData
@@ -63,6 +68,7 @@ from tensorbus.strategies.base import PushKind
 
 log = logging.getLogger("tensorbus.worker")
 
+_T = TypeVar("_T")
 COORDINATOR_VARIABLE = "TENSORBUS_COORDINATOR"  # tcp://HOST:PORT of the coordinator
 
 
@@ -106,43 +112,84 @@ def init(*, device: str | torch.device | None = None) -> Context:
     return _context
 
 
-class _Turns:
-    """The script's thread and the worker's compute thread, taking turns on the model."""
+class _ScriptThread(ComputeThread):
+    """The worker's compute thread, which is the script's own: the jobs the worker submits
+    run on the script's thread, while it waits in step() (or in DistributedOptimizer()).
 
-    def __init__(self) -> None:
-        self._script = threading.Semaphore(0)  # the script's turn: weights loaded
-        self._worker = threading.Semaphore(0)  # the worker's turn: a step() came
+    A step's job is a generator (`_ScriptWorker._compute`): its first part loads the next
+    weights and yields, and step() returns, the script's turn; the next step() resumes it,
+    and it puts what the script computed in the outbox and ends, which the worker's loop
+    hears as the compute done. Other jobs (setting up a session) run whole. Without a thread
+    between them, a step costs no handover of the GIL more than a SPEC worker's."""
+
+    def __init__(self) -> None:  # (no thread of its own: ComputeThread.__init__ is not called)
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._step: tuple[concurrent.futures.Future[Any], Generator[None, None, Any]] | None = None
         self.ended: BaseException | None = None  # the run is over for this script: why
-        self.done = False  # the script has ended its loop (close)
-        self.failed = ""  # ... with this exception, uncaught ("": it ended well)
         self.loss = 0.0  # what the script's last step() reported
 
-    def to_script(self) -> None:
-        self._script.release()
+    def submit(self, work: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
+        if self._closed:
+            raise RuntimeError("the script's worker is shut down")
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        context = contextvars.copy_context()
+        self._jobs.put((future, lambda: context.run(work, *args)))
+        return future
 
-    def to_worker(self) -> None:
-        self._worker.release()
-
-    def wait_for_script(self) -> None:
-        """On the compute thread: until the script's next step(), or its end."""
-        while not self._worker.acquire(timeout=0.2):
-            if self.ended is not None:
-                raise ScriptEnded
-        if self.done:
-            if self.failed:
-                raise ScriptFailed(self.failed)
-            raise ScriptEnded
-
-    def wait_for_worker(self) -> None:
-        """On the script's thread: until the next weights are in the model."""
-        while not self._script.acquire(timeout=0.2):
-            if self.ended is not None:
-                raise self.ended
+    def shutdown(self) -> None:
+        self._closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
 
     def end(self, why: BaseException) -> None:
+        """The worker's thread is over (why): the script's next wait raises it."""
         self.ended = why
-        self._script.release()
-        self._worker.release()
+        self._jobs.put(None)
+
+    def step_done(self, error: BaseException | None = None) -> None:
+        """On the script's thread: resume the step under way (with `error` thrown in: the
+        script ended), which ends it or yields again (several local steps a push)."""
+        if self._step is None:
+            return
+        future, steps = self._step
+        try:
+            steps.throw(error) if error is not None else next(steps)
+        except StopIteration as stop:
+            self._step = None
+            future.set_result(stop.value)
+        except BaseException as e:  # noqa: BLE001 - handed to the worker's loop
+            self._step = None
+            future.set_exception(e)
+
+    def next_turn(self) -> None:
+        """On the script's thread: run the worker's jobs until the next step's weights are
+        in the model (its turn), or raise why the run is over for this script."""
+        while self._step is None:
+            job = self._jobs.get()
+            if job is None:
+                raise self.ended or RunFailedError("the run is over for this script")
+            future, work = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = work()
+                if isinstance(result, Generator):
+                    next(result)  # its first part: the weights loaded
+                    self._step = (future, result)
+                    return
+            except StopIteration as stop:  # (a step of no part for the script)
+                future.set_result(stop.value)
+            except BaseException as e:  # noqa: BLE001 - handed to the worker's loop
+                future.set_exception(e)
+            else:
+                future.set_result(result)
 
 
 class ScriptFailed(Exception):
@@ -153,11 +200,13 @@ class _ScriptWorker(Worker):
     """A worker whose steps are the script's: it hands the turn to the script where a SPEC
     worker would compute, and takes it back at the script's step()."""
 
+    _COMPUTES_ON_SETS = False
+
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, config: WorkerConfig,
-                 turns: _Turns) -> None:
+                 script_thread: _ScriptThread) -> None:
+        self._turns = script_thread
         super().__init__(model=model, data=lambda *_: [], loss=_no_loss, config=config)
         self._data = _ScriptData(lambda *_: [], self.device)  # (what pushes say of it)
-        self._turns = turns
         self._optimizer = optimizer
         self.weights_pushed = False
 
@@ -171,14 +220,23 @@ class _ScriptWorker(Worker):
         await asyncio.gather(*(link.request(Ready(sender=self.rank, version=link.version,
                                                   batches=-2), patient=True)
                                for link in self.links))
-        from tensorbus.bus.layout import Compression
-        await self._loop(welcome, Compression.parse(welcome.compress), self.weights_pushed, None)
+        # Gradients pushed by reference, from shared memory, as a SPEC worker's are.
+        compression = Compression.parse(welcome.compress)
+        refer = (await self._off_loop(functools.partial(
+            self._push_memory.gradients, self.flat, self.rank, dense=compression.dtype is None))
+                 if not self.weights_pushed and compression.topk is None
+                 and any(link.shared for link in self.links) else None)
+        await self._loop(welcome, compression, self.weights_pushed, refer)
 
-    def _compute(self, latest: list[PendingVersion | None], local_steps: int, current: int,
-                 announce: Callable[[int], None] | None,
-                 loaded: Callable[[], object] | None = None) -> tuple[float, int]:
-        """On the compute thread: load the newest weights, then give the script the turn
-        for `local_steps` of its steps, and put what they made in the outbox."""
+    def _new_compute_thread(self, name: str) -> ComputeThread:
+        return self._turns  # (the script's thread: see _ScriptThread)
+
+    def _compute(  # type: ignore[override]
+        self, latest: list[PendingVersion | None], local_steps: int, current: int,
+        announce: Callable[[int], None] | None, loaded: Callable[[], object] | None = None,
+    ) -> Generator[None, None, tuple[float, int]]:
+        """On the script's thread: load the newest weights, then yield to the script for
+        `local_steps` of its steps, and put what they made in the outbox."""
         for i, link in enumerate(self.links):
             weights, latest[i] = latest[i], None
             if weights is not None:
@@ -186,11 +244,10 @@ class _ScriptWorker(Worker):
             del weights
         if loaded is not None:
             loaded()
-        turns, total = self._turns, 0.0
+        total = 0.0
         for _ in range(local_steps):
-            turns.to_script()
-            turns.wait_for_script()
-            total += turns.loss
+            yield  # the script's turn: forward, backward (and its own step, under average)
+            total += self._turns.loss
             self._local_steps.count += 1
         outbox = self._local_steps.outbox
         assert outbox is not None
@@ -240,7 +297,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         context = _context or init()
         self.context = context
-        self._turns = _Turns()
+        self._turns = _ScriptThread()  # the worker's compute thread: this one (see _ScriptThread)
         self._thread: threading.Thread | None = None
         self._worker: _ScriptWorker | None = None
         self._first = True
@@ -250,9 +307,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         described = Describe(sender=context.rank, layout="", model=describe(model, optimizer),
                              build=BUILD)
         config = WorkerConfig(connect=context.coordinator, rank=context.rank,
-                              device=str(context.device), shared_memory=False)
+                              device=str(context.device))
         self._worker = _ScriptWorker(model=model, optimizer=optimizer, config=config,
-                                     turns=self._turns)
+                                     script_thread=self._turns)
         flat = self._worker.flat  # the model's tensors now lie in its flat buffers
         self._describe = Describe(
             sender=context.rank, layout=flat.layout.digest, model=described.model, build=BUILD,
@@ -260,7 +317,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._thread = threading.Thread(target=self._serve, name="tensorbus-worker", daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
-        self._turns.wait_for_worker()  # the run's initial weights are in the model now
+        self._turns.next_turn()  # the run's initial weights are in the model now
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -282,8 +339,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if worker.weights_pushed:
             self.optimizer.step()  # a local step; the average comes every H of them
         self._turns.loss = float(loss) if loss is not None and math.isfinite(float(loss)) else 0.0
-        self._turns.to_worker()
-        self._turns.wait_for_worker()
+        self._turns.step_done()
+        self._turns.next_turn()
         return loss
 
     def _at_exit(self) -> None:
@@ -294,17 +351,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def close(self, failed: str = "") -> None:
         """Leave the run (the script's loop is over; `failed`: with this error): called at
         exit if not before."""
-        if self._thread is None or self._turns.done:
+        if self._thread is None or self._closed:
             return
-        self._turns.failed = failed
-        self._turns.done = True
-        self._turns.to_worker()
+        self._closed = True
+        ended = ScriptFailed(failed) if failed else ScriptEnded()
+        self._turns.step_done(ended)
+        try:  # the worker's last jobs, until its thread ends (a step begun: ended too)
+            while self._thread.is_alive():
+                self._turns.next_turn()
+                self._turns.step_done(ended)
+        except BaseException:  # noqa: BLE001, S110 - its end: why is the worker's to say
+            pass
         self._thread.join(timeout=30)
         failure = self._failure
         if failure is not None and not isinstance(failure, ScriptEnded):
             log.debug("the run ended with %r", failure)
 
     _failure: BaseException | None = None
+    _closed = False
 
     def _serve(self) -> None:
         """The worker's thread: describe, join, follow the rhythm, until the script ends."""

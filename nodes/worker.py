@@ -79,6 +79,11 @@ class WorkerReport:
 
 
 class Worker:
+    # It may compute on a coordinator's weight set where it lies (nodes.in_place): the
+    # compute is its own, which checks the set's counter once the gradient is made. (A
+    # script's own loop computes in the script's thread, unchecked: nodes.own_loop.)
+    _COMPUTES_ON_SETS = True
+
     def __init__(
         self,
         *,
@@ -136,8 +141,11 @@ class Worker:
         self._running: asyncio.Task[Any] | None = None  # the task in run(), for request_stop
         # Steps are computed on one thread of their own, a run's (torch keeps per-thread
         # state, such as grad mode, and one step runs at a time): nodes.compute.
-        self._compute_thread = ComputeThread("tensorbus-compute")
+        self._compute_thread = self._new_compute_thread("tensorbus-compute")
         self.stopped_by: str | None = None  # why request_stop ended the run, once it did
+
+    def _new_compute_thread(self, name: str) -> ComputeThread:
+        return ComputeThread(name)
 
     @property
     def name(self) -> str:
@@ -164,7 +172,7 @@ class Worker:
 
     async def run(self) -> WorkerReport:
         self._running = asyncio.current_task()
-        self._compute_thread = ComputeThread(f"tensorbus-compute-{self.rank}")
+        self._compute_thread = self._new_compute_thread(f"tensorbus-compute-{self.rank}")
         for link in self.links:
             link.open()
         try:
@@ -271,7 +279,7 @@ class Worker:
         # One coordinator on this host, whose versions come by reference: the model
         # computes on each where the coordinator made it, not on a copy (InPlace.follow_set).
         self._in_place.follows_sets = (
-            early and len(self.links) == 1 and self.links[0].shared
+            self._COMPUTES_ON_SETS and early and len(self.links) == 1 and self.links[0].shared
             and self._in_place.colocated_sets is None and self.device.type == "cpu"
             and compression.topk is None)
         # What goes on the wire, per gradient set and shard, filled as backward finishes
