@@ -203,7 +203,8 @@ def _decode(
     if carried and any(spec.ref is not None for spec in specs[len(specs) - carried:]):
         raise SharedTensorError("buffers by reference: they go as bytes")
     main = specs[:len(specs) - carried]
-    if layout is not None and cls.CARRIES_TENSORS and (main or not cls.TENSORS_OPTIONAL):
+    if (layout is not None and cls.CARRIES_TENSORS and cls.OF_THE_LAYOUT
+            and (main or not cls.TENSORS_OPTIONAL)):
         check = layout.check_sparse if cls.SPARSE else layout.check
         check([(spec.dtype, spec.shape) for spec in main])
     tensors: list[Received] = []

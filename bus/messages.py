@@ -104,6 +104,9 @@ class Message:
     CARRIES_TENSORS: ClassVar[bool] = False
     TENSORS_OPTIONAL: ClassVar[bool] = False  # may come with none at all (see Weights)
     SPARSE: ClassVar[bool] = False  # index and value tensors per bucket (see Changes)
+    # Its tensors are the model's layout, checked against it by the codec (a Describe's are
+    # the sender's own model: its digest is compared instead, in words).
+    OF_THE_LAYOUT: ClassVar[bool] = True
     # May carry the model's buffers (BatchNorm's running statistics): a worker's with its
     # push, the coordinator's combination of them with its weights (nodes.flat, `state`).
     CARRIES_STATE: ClassVar[bool] = False
@@ -135,6 +138,7 @@ class Describe(Message):
     KIND = Kind.DESCRIBE
     CARRIES_TENSORS = True
     CARRIES_STATE = True
+    OF_THE_LAYOUT = False
     layout: str  # digest of the model's layout, as in a Join
     model: str  # nodes.description.describe's JSON
     build: str = ""  # the tensorbus release of the worker

@@ -35,9 +35,11 @@ from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.messages import Ack, Describe, Reject, RejectCode
 from tensorbus.bus.pieces import Received, whole
+from tensorbus.bus.shared import sweep
 from tensorbus.bus.transport import ZmqServer, new_event_loop
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.nodes.description import DescriptionError, build, build_optimizer
+from tensorbus.nodes.ending import State
 from tensorbus.nodes.failures import TrainingError
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.own_loop import COORDINATOR_VARIABLE
@@ -196,6 +198,8 @@ async def _launch(script: Path, options: RunOptions, script_args: list[str], bin
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if any(process.returncode != 0 for process in scripts):
+            sweep()  # the shared memory of scripts that died: nobody else would unlink it
 
 
 async def _watch(scripts: list[subprocess.Popen[bytes]], coordinators: list[Coordinator]) -> None:
@@ -209,8 +213,13 @@ async def _watch(scripts: list[subprocess.Popen[bytes]], coordinators: list[Coor
                                 "output says why): does each create a DistributedOptimizer?")
         for rank, process in enumerate(scripts):
             code = process.poll()
-            if code not in (None, 0) and rank not in said and coordinators:
+            if code not in (None, 0) and rank not in said:
                 said.add(rank)
                 why = (f"died of {signal.Signals(-code).name}" if code < 0
                        else f"exited with status {code}")
-                await coordinators[0].remove(rank, f"(its script) {why}: removed")
+                if coordinators and await coordinators[0].remove(rank, f"(its script) {why}: removed"):
+                    continue
+                if not coordinators or coordinators[0].state is State.STARTING:
+                    raise TrainingError(
+                        f"the script of rank {rank} {why} before it joined (its output says "
+                        f"why): the run cannot start with {len(scripts)} workers")

@@ -104,6 +104,27 @@ def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str)
         assert "(its script) died of SIGKILL: removed" in done.stderr
 
 
+def test_a_rank_with_another_model_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Rank 1 builds a wider model: DistributedOptimizer raises there, saying so; rank 0,
+    whose model the run took (it described it first), trains alone."""
+    script = tmp_path / "other.py"
+    script.write_text(EXAMPLE.read_text().replace(
+        "Path(__file__).resolve().parent", repr(str(EXAMPLE.parent))).replace(
+        "    model = digits.model()\n",
+        "    if ctx.rank == 1:\n"
+        "        __import__('time').sleep(3)  # (rank 0 describes first)\n"
+        "        digits.NUM_FEATURES = 65\n"
+        "    model = digits.model()\n"))
+    done = _launch("--workers", "2", *QUIET, "--", "--epochs", "1", script=script)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        "tensorbus: error: the script of rank 1 exited with status 1 before it joined (its "
+        "output says why): the run cannot start with 2 workers")
+    assert "RejectedError: rejected (layout): this script's model (layout " in done.stderr
+    assert "is not the run's (layout " in done.stderr
+    assert "every rank must build the same model" in done.stderr
+
+
 def test_the_coordinator_steps_with_the_script_s_scheduled_lr(tmp_path: Path) -> None:
     """StepLR on the script's optimizer, halving the lr after each epoch: under sync the
     coordinator steps the optimizer, with the rate each push carries."""
