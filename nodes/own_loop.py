@@ -172,8 +172,15 @@ class _ScriptThread(ComputeThread):
         """On the script's thread: run the worker's jobs until the next step's weights are
         in the model (its turn), or raise why the run is over for this script."""
         while self._step is None:
-            job = self._jobs.get()
+            if self.ended is not None:  # (said once in the queue, and kept here)
+                raise self.ended
+            try:
+                job = self._jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
             if job is None:
+                if self.ended is None and not self._closed:
+                    continue
                 raise self.ended or RunFailedError("the run is over for this script")
             future, work = job
             if not future.set_running_or_notify_cancel():

@@ -386,7 +386,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, -1, 255, "10", None, [10]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, -1, 255, "11", None, [11]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
