@@ -36,12 +36,6 @@ LAYERS = ("unit", "integration", "system", "gpu")
 UNIT_TIMEOUT_S = 30
 
 
-# The longest files, started first: a long test begun last would hold the suite's end while
-# the other test processes sit idle (the many short tests fill the gaps instead).
-LONGEST_FIRST = ("test_multihost.py", "test_topology_examples.py", "test_package.py",
-                 "test_faults_local.py", "test_killed_clusters.py")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         layer = item.path.parent.name
@@ -52,15 +46,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             own = item.get_closest_marker("timeout")
             if own is None or own.args[0] > UNIT_TIMEOUT_S:
                 item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S), append=False)
-    # Processes first, then one-loop tests, then pure logic (the same order in every test
-    # process, as pytest-xdist requires; stable within each group).
-    def order(item: pytest.Item) -> tuple[int, int]:
-        name = item.path.name
-        longest = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-        system = item.get_closest_marker("system") is not None
-        layer = 0 if system else {"integration": 1, "unit": 2}.get(item.path.parent.name, 3)
-        return layer, longest
-    items.sort(key=order)
+
 
 _SHM = Path("/dev/shm")
 _before: set[Path] = set()
