@@ -179,9 +179,7 @@ class _ScriptThread(ComputeThread):
             except queue.Empty:
                 continue
             if job is None:
-                if self.ended is None and not self._closed:
-                    continue
-                raise self.ended or RunFailedError("the run is over for this script")
+                continue  # (shut down: the worker's thread says why next, in `ended`)
             future, work = job
             if not future.set_running_or_notify_cancel():
                 continue
@@ -287,11 +285,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     A torch optimizer itself, over the wrapped one's parameter groups and state (the same
     objects): an LR scheduler made on either steps both. `backward_passes_per_step`:
     backward passes the script makes before each step() (their gradients accumulate in the
-    model, as without tensorbus; divide the loss by it for a mean). Outside a run (a world
-    of one), step() is the wrapped optimizer's."""
+    model, as without tensorbus; divide the loss by it for a mean). `reconnect_timeout_s`:
+    how long, after losing the coordinator, to try to join it again (from when it was last
+    heard) before step() raises PeerTimeoutError. Outside a run (a world of one), step() is
+    the wrapped optimizer's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *,
-                 backward_passes_per_step: int = 1) -> None:
+                 backward_passes_per_step: int = 1, reconnect_timeout_s: float = 60.0) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be at least 1, got "
                              f"{backward_passes_per_step}")
@@ -314,7 +314,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         described = Describe(sender=context.rank, layout="", model=describe(model, optimizer),
                              build=BUILD)
         config = WorkerConfig(connect=context.coordinator, rank=context.rank,
-                              device=str(context.device))
+                              device=str(context.device), reconnect_timeout_s=reconnect_timeout_s)
         self._worker = _ScriptWorker(model=model, optimizer=optimizer, config=config,
                                      script_thread=self._turns)
         flat = self._worker.flat  # the model's tensors now lie in its flat buffers

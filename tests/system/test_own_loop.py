@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,55 @@ def test_the_coordinator_steps_with_the_script_s_scheduled_lr(tmp_path: Path) ->
     lrs = [r["lr"] for r in map(json.loads, metrics.read_text().splitlines())
            if r["event"] == "step"]
     assert lrs == [0.1] * 46 + [0.05] * 46
+
+
+def test_a_lost_coordinator_makes_step_raise_after_the_reconnect_deadline(tmp_path: Path) -> None:
+    """SIGKILL the coordinator mid-run: each script's step() raises PeerTimeoutError once
+    its link has been silent for --timeout and rejoining has failed for reconnect_timeout_s
+    (counted from when it was last heard), and not long after."""
+    script = tmp_path / "lost.py"
+    script.write_text(EXAMPLE.read_text().replace(
+        "Path(__file__).resolve().parent", repr(str(EXAMPLE.parent))).replace(
+        "tensorbus.DistributedOptimizer(optimizer, model)",
+        "tensorbus.DistributedOptimizer(optimizer, model, reconnect_timeout_s=3.0)").replace(
+        "            optimizer.step()\n",
+        "            try:\n"
+        "                optimizer.step()\n"
+        "            except tensorbus.PeerTimeoutError as e:\n"
+        "                print('lost:', e, flush=True)\n"
+        "                raise SystemExit(3)\n"))
+    log = tmp_path / "coordinator.log"
+    with log.open("w") as logged:
+        coordinator = zygote.shared().popen(
+            ["coordinator", "--workers", "2", "--bind", ANY_PORT, "--heartbeat", "0.2",
+             "--timeout", "1", *QUIET, "--log-level", "info"],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logged)
+    scripts: list[subprocess.Popen[str]] = []
+    try:
+        endpoint, _ = bound_in_log(coordinator, log)
+        environ = {**os.environ, "TENSORBUS_COORDINATOR": endpoint, "WORLD_SIZE": "2",
+                   "OMP_NUM_THREADS": "1"}
+        scripts = [subprocess.Popen([sys.executable, str(script), "--epochs", "1000"], cwd=ROOT,
+                                    env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for r in range(2)]
+        deadline = time.monotonic() + 60
+        while "first step with workers" not in log.read_text():
+            assert time.monotonic() < deadline and coordinator.poll() is None, log.read_text()
+            time.sleep(0.05)
+        coordinator.kill()
+        killed = time.monotonic()
+        outputs = [script.communicate(timeout=30) for script in scripts]
+        took = time.monotonic() - killed
+    finally:
+        for process in [coordinator, *scripts]:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+    for script, (out, err) in zip(scripts, outputs, strict=True):
+        assert script.returncode == 3, err[-2000:]
+        assert out.startswith("lost: "), out
+    assert 3.0 < took < 15.0
 
 
 def test_alone_the_script_is_a_plain_pytorch_script() -> None:
