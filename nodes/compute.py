@@ -30,7 +30,7 @@ from tensorbus.bus.clock import working
 log = logging.getLogger("tensorbus.worker")
 _T = TypeVar("_T")
 FINISHING_SAY_S = 5.0  # a failed worker waiting longer for its compute thread says so
-Job = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+_Job = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
 
 
 class ScriptEnded(Exception):  # noqa: N818 - not an error: how a script's worker ends
@@ -42,7 +42,7 @@ class ComputeThread:
     """One daemon thread running the jobs submitted, in order."""
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
         self._closed = False

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextvars
 import functools
 import json
 import logging
@@ -45,18 +44,19 @@ import sys
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.deadline import within
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Ack, Describe, Ready, Reject, Welcome
 from tensorbus.bus.protocol import BUILD
 from tensorbus.bus.transport import ZmqClient, new_event_loop
-from tensorbus.nodes.compute import ComputeThread, Job, ScriptEnded
+from tensorbus.nodes.compute import ComputeThread, ScriptEnded
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.description import describe
 from tensorbus.nodes.epochs import RankData
@@ -68,7 +68,6 @@ from tensorbus.strategies.base import PushKind
 
 log = logging.getLogger("tensorbus.worker")
 
-_T = TypeVar("_T")
 COORDINATOR_VARIABLE = "TENSORBUS_COORDINATOR"  # tcp://HOST:PORT of the coordinator
 
 
@@ -122,31 +121,12 @@ class _ScriptThread(ComputeThread):
     hears as the compute done. Other jobs (setting up a session) run whole. Without a thread
     between them, a step costs no handover of the GIL more than a SPEC worker's."""
 
-    def __init__(self) -> None:  # (no thread of its own: ComputeThread.__init__ is not called)
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._closed = False
+    def __init__(self) -> None:
+        super().__init__("tensorbus-script")
+        self._started = True  # (so that submit never starts the thread: the script runs the jobs)
         self._step: tuple[concurrent.futures.Future[Any], Generator[None, None, Any]] | None = None
         self.ended: BaseException | None = None  # the run is over for this script: why
         self.loss = 0.0  # what the script's last step() reported
-
-    def submit(self, work: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
-        if self._closed:
-            raise RuntimeError("the script's worker is shut down")
-        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
-        context = contextvars.copy_context()
-        self._jobs.put((future, lambda: context.run(work, *args)))
-        return future
-
-    def shutdown(self) -> None:
-        self._closed = True
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[0].cancel()
-        self._jobs.put(None)
 
     def end(self, why: BaseException) -> None:
         """The worker's thread is over (why): the script's next wait raises it."""
@@ -307,19 +287,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._turns = _ScriptThread()  # the worker's compute thread: this one (see _ScriptThread)
         self._thread: threading.Thread | None = None
         self._worker: _ScriptWorker | None = None
-        self._first = True
         if context.coordinator is None:
             return  # a world of one
         model.to(context.device)
-        described = Describe(sender=context.rank, layout="", model=describe(model, optimizer),
-                             build=BUILD)
+        described = describe(model, optimizer)
         config = WorkerConfig(connect=context.coordinator, rank=context.rank,
                               device=str(context.device), reconnect_timeout_s=reconnect_timeout_s)
         self._worker = _ScriptWorker(model=model, optimizer=optimizer, config=config,
                                      script_thread=self._turns)
         flat = self._worker.flat  # the model's tensors now lie in its flat buffers
         self._describe = Describe(
-            sender=context.rank, layout=flat.layout.digest, model=described.model, build=BUILD,
+            sender=context.rank, layout=flat.layout.digest, model=described, build=BUILD,
             tensors=flat.weights, state=flat.model_buffers.flat if flat.model_buffers else ())
         self._thread = threading.Thread(target=self._serve, name="tensorbus-worker", daemon=True)
         self._thread.start()
@@ -404,18 +382,20 @@ async def _describe(endpoint: str, message: Describe, within_s: float) -> None:
     them, or has the same model), or Reject (another model: RejectedError)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
+    peer = f"the coordinator at {endpoint}"
     client = ZmqClient(endpoint, max_message_bytes=1 << 20)
     try:
         frames = encode(message)
         wait = 1.0
         while True:
-            await client.send(frames)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise PeerTimeoutError(peer, "describe", within_s)
+            # (The send has a deadline too: a DEALER with no peer yet blocks in send.)
+            await within(client.send(frames), left, peer=peer, waiting_for="sending describe")
             try:
-                reply = decode(await asyncio.wait_for(client.recv(), timeout=wait))
+                reply = decode(await asyncio.wait_for(client.recv(), timeout=min(wait, left)))
             except TimeoutError:
-                if loop.time() > deadline:
-                    raise PeerTimeoutError(f"the coordinator at {endpoint}", "describe",
-                                           within_s) from None
                 wait = min(wait * 2, 5.0)
                 continue
             if isinstance(reply, Reject):

@@ -99,7 +99,9 @@ async def first_description(server: ZmqServer, *, within_s: float) -> Describe:
 
 
 def _copy(received: Received) -> torch.Tensor:
-    return whole(received).clone()
+    """Out of the frames: a tensor over them is copied; pieces joined are a copy already."""
+    joined = whole(received)
+    return joined.clone() if joined is received else joined
 
 
 def own_loop_coordinator(

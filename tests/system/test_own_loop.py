@@ -29,6 +29,17 @@ def _launch(*args: str, script: Path = EXAMPLE, timeout: float = 100) -> subproc
                                text=True, timeout=timeout, check=False)
 
 
+def _variant(path: Path, *edits: tuple[str, str]) -> Path:
+    """The example with `edits` (old, new) made, written to `path` (it finds digits.py
+    where the example lies); each old text must be there."""
+    text = EXAMPLE.read_text().replace("Path(__file__).resolve().parent", repr(str(EXAMPLE.parent)))
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
 def _accuracies(err: str) -> dict[int, float]:
     """Each rank's last test accuracy, as the example logs it."""
     found = re.findall(r"rank (\d+) epoch \d+: test loss [\d.]+, accuracy ([\d.]+) %", err)
@@ -81,9 +92,7 @@ def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str)
     rank 0 trains to its end alone."""
     end = ("raise RuntimeError('rank 1 gives up')" if how == "raises"
            else "__import__('os').kill(__import__('os').getpid(), 9)")
-    script = tmp_path / "dies.py"
-    script.write_text(EXAMPLE.read_text().replace(
-        "Path(__file__).resolve().parent", repr(str(EXAMPLE.parent))).replace(
+    script = _variant(tmp_path / "dies.py", (
         "            optimizer.step()\n",
         "            optimizer.step()\n"
         "            if ctx.rank == 1 and epoch == 1 and i == 30:\n"
@@ -108,9 +117,7 @@ def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str)
 def test_a_rank_with_another_model_is_refused_in_one_line(tmp_path: Path) -> None:
     """Rank 1 builds a wider model: DistributedOptimizer raises there, saying so; rank 0,
     whose model the run took (it described it first), trains alone."""
-    script = tmp_path / "other.py"
-    script.write_text(EXAMPLE.read_text().replace(
-        "Path(__file__).resolve().parent", repr(str(EXAMPLE.parent))).replace(
+    script = _variant(tmp_path / "other.py", (
         "    model = digits.model()\n",
         "    if ctx.rank == 1:\n"
         "        __import__('time').sleep(3)  # (rank 0 describes first)\n"
@@ -142,11 +149,9 @@ def test_a_lost_coordinator_makes_step_raise_after_the_reconnect_deadline(tmp_pa
     """SIGKILL the coordinator mid-run: each script's step() raises PeerTimeoutError once
     its link has been silent for --timeout and rejoining has failed for reconnect_timeout_s
     (counted from when it was last heard), and not long after."""
-    script = tmp_path / "lost.py"
-    script.write_text(EXAMPLE.read_text().replace(
-        "Path(__file__).resolve().parent", repr(str(EXAMPLE.parent))).replace(
+    script = _variant(tmp_path / "lost.py", (
         "tensorbus.DistributedOptimizer(optimizer, model)",
-        "tensorbus.DistributedOptimizer(optimizer, model, reconnect_timeout_s=3.0)").replace(
+        "tensorbus.DistributedOptimizer(optimizer, model, reconnect_timeout_s=3.0)"), (
         "            optimizer.step()\n",
         "            try:\n"
         "                optimizer.step()\n"
