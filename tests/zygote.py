@@ -250,6 +250,9 @@ def _serve(path: Path) -> None:
     import tensorbus.run.cli  # noqa: F401
     import tensorbus.run.local  # noqa: F401
     import tensorbus.run.spec  # noqa: F401
+    # A process's first torch optimizer imports torch._dynamo (about a second of CPU):
+    # every coordinator, and every worker under average, builds one.
+    import torch._dynamo  # noqa: F401
 
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listening.bind(str(path) + ".new")
