@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--gamma", type=float, default=1.0, help="the lr's factor after each epoch")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="backward passes a step: each batch in as many parts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-interval", type=int, default=20, help="batches between logs")
     parser.add_argument("--save", type=Path, help="write the model's state_dict here each epoch")
@@ -53,7 +55,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = digits.model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    optimizer = tensorbus.DistributedOptimizer(optimizer, model)  # tensorbus
+    optimizer = tensorbus.DistributedOptimizer(  # tensorbus
+        optimizer, model, backward_passes_per_step=args.accumulate)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
     batches = digits.data(ctx.rank, ctx.world_size, args.batch_size)  # tensorbus: this rank's shard
 
@@ -61,11 +64,16 @@ def main() -> None:
         model.train()
         for i, (x, y) in enumerate(batches):
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            loss = 0.0
+            for part_x, part_y in zip(x.chunk(args.accumulate), y.chunk(args.accumulate),
+                                      strict=True):
+                # Each part's share of the batch's mean loss: their gradients add up to it.
+                part = F.cross_entropy(model(part_x), part_y) * (len(part_y) / len(y))
+                part.backward()
+                loss += part.item()
             optimizer.step()
             if i % args.log_interval == 0:
-                log.info("rank %d epoch %d batch %d loss %.4f", ctx.rank, epoch, i, loss.item())
+                log.info("rank %d epoch %d batch %d loss %.4f", ctx.rank, epoch, i, loss)
         scheduler.step()
         test_loss, accuracy = test(model)
         log.info("rank %d epoch %d: test loss %.4f, accuracy %.2f %%", ctx.rank, epoch,

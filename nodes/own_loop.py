@@ -8,7 +8,8 @@ A script keeps its loop (its argparse, its data, its logging, its checkpoints) a
 `init` reads where this process stands from the launcher (nodes.cluster's conventions:
 torchrun, Open MPI, Slurm; `tensorbus launch` sets torchrun's) and where the coordinator is
 from TENSORBUS_COORDINATOR (tcp://HOST:PORT). Without either, the script runs as a world of
-one and the optimizer steps as it always did.
+one and the optimizer steps as it always did. Where the coordinator has CURVE keys,
+TENSORBUS_KEYS names the script's key directory and TENSORBUS_KEY_NAME its pair in it.
 
 Behind `DistributedOptimizer`, a worker (nodes.worker) runs on a thread of its own with its
 event loop: it describes the model and optimizer to the coordinator (nodes.description),
@@ -42,8 +43,9 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,11 +53,17 @@ from torch import nn
 
 from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.deadline import within
-from tensorbus.bus.errors import PeerTimeoutError, RejectedError
+from tensorbus.bus.errors import HandshakeError, PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Ack, Describe, Ready, Reject, Welcome
 from tensorbus.bus.protocol import BUILD
-from tensorbus.bus.transport import ZmqClient, new_event_loop
+from tensorbus.bus.security import ClientKeys, load_client_keys
+from tensorbus.bus.transport import (
+    HANDSHAKE_MECHANISM,
+    HANDSHAKE_REFUSED,
+    ZmqClient,
+    new_event_loop,
+)
 from tensorbus.nodes.compute import ComputeThread, ScriptEnded
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.description import describe
@@ -69,6 +77,8 @@ from tensorbus.strategies.base import PushKind
 log = logging.getLogger("tensorbus.worker")
 
 COORDINATOR_VARIABLE = "TENSORBUS_COORDINATOR"  # tcp://HOST:PORT of the coordinator
+KEYS_VARIABLE = "TENSORBUS_KEYS"  # CURVE: a key directory (`tensorbus keys`)
+KEY_NAME_VARIABLE = "TENSORBUS_KEY_NAME"  # which pair of it is this script's (default: worker)
 
 
 @dataclass(frozen=True)
@@ -263,9 +273,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """`optimizer`, stepped as the run's strategy says (see the module docstring).
 
     A torch optimizer itself, over the wrapped one's parameter groups and state (the same
-    objects): an LR scheduler made on either steps both. `backward_passes_per_step`:
-    backward passes the script makes before each step() (their gradients accumulate in the
-    model, as without tensorbus; divide the loss by it for a mean). `reconnect_timeout_s`:
+    objects): an LR scheduler made on either steps both. `backward_passes_per_step`: at
+    most this many backward passes before each step(), whose gradients accumulate in the
+    model as without tensorbus (scale each pass's loss for a mean) and are pushed as one;
+    more raise at step(), as under Horovod (a step() forgotten). `reconnect_timeout_s`:
     how long, after losing the coordinator, to try to join it again (from when it was last
     heard) before step() raises PeerTimeoutError. Outside a run (a world of one), step() is
     the wrapped optimizer's."""
@@ -282,6 +293,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.model = model
         self.backward_passes_per_step = backward_passes_per_step
+        self._passes = 0  # backward passes since the last step()
+        if backward_passes_per_step > 1:  # (counted by one parameter's accumulated gradient)
+            counted = next((p for p in model.parameters() if p.requires_grad), None)
+            if counted is not None:
+                counted.register_post_accumulate_grad_hook(self._count_pass)
         context = _context or init()
         self.context = context
         self._turns = _ScriptThread()  # the worker's compute thread: this one (see _ScriptThread)
@@ -292,7 +308,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model.to(context.device)
         described = describe(model, optimizer)
         config = WorkerConfig(connect=context.coordinator, rank=context.rank,
-                              device=str(context.device), reconnect_timeout_s=reconnect_timeout_s)
+                              device=str(context.device), reconnect_timeout_s=reconnect_timeout_s,
+                              keys=_keys(os.environ))
         self._worker = _ScriptWorker(model=model, optimizer=optimizer, config=config,
                                      script_thread=self._turns)
         flat = self._worker.flat  # the model's tensors now lie in its flat buffers
@@ -303,6 +320,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._thread.start()
         atexit.register(self._at_exit)
         self._turns.next_turn()  # the run's initial weights are in the model now
+
+    def _count_pass(self, _: torch.Tensor) -> None:
+        self._passes += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -317,6 +337,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """One step of the run's strategy; the closure's loss, if one is given (it is
         reported to the coordinator)."""
         loss = closure() if closure is not None else None
+        passes, self._passes = self._passes, 0
+        if passes > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"{passes} backward passes since the last step(), and backward_passes_per_step "
+                f"is {self.backward_passes_per_step}: call step() after at most that many, or "
+                "raise it")
         worker = self._worker
         if worker is None:
             self.optimizer.step()
@@ -373,17 +399,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
     async def _run(self) -> None:
         worker = self._worker
         assert worker is not None
-        await _describe(worker.config.endpoints[0], self._describe, worker.config.join_timeout_s)
+        config = worker.config
+        await _describe(config.endpoints[0], self._describe, config.join_timeout_s, config.keys)
         await worker.run()
 
 
-async def _describe(endpoint: str, message: Describe, within_s: float) -> None:
+def _keys(environ: Mapping[str, str]) -> ClientKeys | None:
+    """This script's CURVE keys, where TENSORBUS_KEYS names a key directory."""
+    directory = environ.get(KEYS_VARIABLE)
+    if not directory:
+        return None
+    return load_client_keys(Path(directory), environ.get(KEY_NAME_VARIABLE) or "worker")
+
+
+async def _describe(endpoint: str, message: Describe, within_s: float,
+                    keys: ClientKeys | None) -> None:
     """Tell the coordinator the model and optimizer, until it answers: Ack (it took
     them, or has the same model), or Reject (another model: RejectedError)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
     peer = f"the coordinator at {endpoint}"
-    client = ZmqClient(endpoint, max_message_bytes=1 << 20)
+    client = ZmqClient(endpoint, max_message_bytes=1 << 20, keys=keys)
     try:
         frames = encode(message)
         wait = 1.0
@@ -396,6 +432,10 @@ async def _describe(endpoint: str, message: Describe, within_s: float) -> None:
             try:
                 reply = decode(await asyncio.wait_for(client.recv(), timeout=min(wait, left)))
             except TimeoutError:
+                problem = client.connection_problem()
+                if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM):
+                    raise HandshakeError(peer, f"{problem} (a script's keys: the directory "
+                                               f"in {KEYS_VARIABLE})") from None
                 wait = min(wait * 2, 5.0)
                 continue
             if isinstance(reply, Reject):

@@ -13,7 +13,9 @@ of steps or epochs: those are the script's.
 
 `launch` starts that coordinator in this process and N copies of the script beside it, each
 with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) and TENSORBUS_COORDINATOR, and
-returns the coordinator's summary once they have all ended.
+returns the coordinator's summary once they have all ended. With --keys, the coordinator's
+sockets take only the authorized keys, and each script is given the key directory in
+TENSORBUS_KEYS.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.messages import Ack, Describe, Reject, RejectCode
 from tensorbus.bus.pieces import Received, whole
+from tensorbus.bus.security import load_server_keys
 from tensorbus.bus.shared import sweep
 from tensorbus.bus.transport import ZmqServer, new_event_loop
 from tensorbus.nodes.coordinator import Coordinator, Progress
@@ -42,7 +45,7 @@ from tensorbus.nodes.description import DescriptionError, build, build_optimizer
 from tensorbus.nodes.ending import State
 from tensorbus.nodes.failures import TrainingError
 from tensorbus.nodes.flat import FlatModel
-from tensorbus.nodes.own_loop import COORDINATOR_VARIABLE
+from tensorbus.nodes.own_loop import COORDINATOR_VARIABLE, KEYS_VARIABLE
 from tensorbus.run.options import RunOptions, coordinator_config, make_strategy
 from tensorbus.strategies.base import PushKind
 
@@ -141,7 +144,8 @@ async def serve(options: RunOptions, *, bind: str, pub_port: int | None = None,
                 made: Callable[[Coordinator], None] | None = None) -> dict[str, Any]:
     """Wait for the first script's model, then coordinate the run until every script has
     ended; the summary. `bound`: told the endpoint once bound; `made`: the coordinator."""
-    server = ZmqServer(bind, max_message_bytes=MAX_DESCRIBE_BYTES, pub_port=pub_port)
+    keys = load_server_keys(options.keys) if options.keys is not None else None
+    server = ZmqServer(bind, max_message_bytes=MAX_DESCRIBE_BYTES, pub_port=pub_port, keys=keys)
     try:
         if bound is not None:
             bound(server.endpoint)
@@ -179,6 +183,8 @@ async def _launch(script: Path, options: RunOptions, script_args: list[str], bin
                "LOCAL_WORLD_SIZE": str(options.workers), "MASTER_ADDR": "127.0.0.1"}
     if threads is not None:
         environ["OMP_NUM_THREADS"] = str(threads)
+    if options.keys is not None:  # each script's pair: the key directory's `worker`
+        environ[KEYS_VARIABLE] = str(options.keys)
     scripts = [subprocess.Popen([sys.executable, str(script), *script_args],
                                 env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)})
                for r in range(options.workers)]

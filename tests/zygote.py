@@ -247,12 +247,13 @@ def tensorbus(*argv: str, **options: Any) -> subprocess.CompletedProcess[Any]:
 def _serve(path: Path) -> None:
     # What the command line imports, imported once: the forks share it. (Not modules
     # that a command runs as __main__, run.colocated: runpy warns of one imported before.)
+    # torch._dynamo too: a process's first torch optimizer imports it (about a second of
+    # CPU), and every coordinator, and every worker under average, builds one.
+    import torch._dynamo  # noqa: F401
+
     import tensorbus.run.cli  # noqa: F401
     import tensorbus.run.local  # noqa: F401
     import tensorbus.run.spec  # noqa: F401
-    # A process's first torch optimizer imports torch._dynamo (about a second of CPU):
-    # every coordinator, and every worker under average, builds one.
-    import torch._dynamo  # noqa: F401
 
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listening.bind(str(path) + ".new")

@@ -69,11 +69,46 @@ def test_sync_gives_the_weights_of_the_spec_route(tmp_path: Path) -> None:
     assert sorted(accuracies) == [0, 1] and accuracies[0] == accuracies[1]
 
 
+def test_accumulated_backward_passes_are_pushed_as_one_step(tmp_path: Path) -> None:
+    """--accumulate 2: each batch in two parts, two backward passes a step() under
+    backward_passes_per_step=2: the weights of one pass on the whole batch, to 1e-5, and
+    as many pushes. A third pass before step() raises, saying so."""
+    ends = {}
+    for accumulate in ("1", "2"):
+        done = _launch("--workers", "2", *QUIET, "--", "--epochs", "1", "--accumulate", accumulate,
+                       "--save", str(tmp_path / f"{accumulate}.pt"))
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout)
+        assert summary["steps"] == 46
+        assert [w["pushes"] for w in summary["per_worker"].values()] == [46, 46]
+        ends[accumulate] = torch.load(tmp_path / f"{accumulate}.pt")
+    for name, tensor in ends["1"].items():
+        assert torch.allclose(tensor, ends["2"][name], rtol=0, atol=1e-5), name
+    script = _variant(tmp_path / "over.py", (
+        "            optimizer.step()\n",
+        "            if i == 5:\n"
+        "                model(x).sum().backward()  # a third pass\n"
+        "            optimizer.step()\n"))
+    done = _launch("--workers", "1", *QUIET, "--", "--epochs", "1", "--accumulate", "2",
+                   script=script)
+    assert done.returncode == 1
+    assert ("RuntimeError: 3 backward passes since the last step(), and "
+            "backward_passes_per_step is 2: call step() after at most that many") in done.stderr
+
+
 @pytest.mark.parametrize(("strategy", "options"), [
-    ("sync", ["--backups", "1"]), ("ssp", []), ("async", []), ("average", ["--average-every", "4"]),
+    ("sync", ["--backups", "1"]), ("ssp", ["--keys", "KEYS"]), ("async", []),
+    ("average", ["--average-every", "4"]),
 ])
-def test_every_strategy_trains_the_example(strategy: str, options: list[str]) -> None:
+def test_every_strategy_trains_the_example(tmp_path: Path, strategy: str,
+                                           options: list[str]) -> None:
+    """Each strategy (ssp with CURVE keys: launch gives the scripts the key directory)."""
     workers = "3" if options[:1] == ["--backups"] else "2"
+    if "KEYS" in options:
+        made = zygote.shared().run(["keys", str(tmp_path / "keys")], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=60, check=False)
+        assert made.returncode == 0, made.stderr
+        options = [str(tmp_path / "keys") if o == "KEYS" else o for o in options]
     done = _launch("--workers", workers, "--strategy", strategy, *options, *QUIET, "--",
                    "--epochs", "2")
     assert done.returncode == 0, done.stderr
@@ -150,8 +185,8 @@ def test_a_lost_coordinator_makes_step_raise_after_the_reconnect_deadline(tmp_pa
     its link has been silent for --timeout and rejoining has failed for reconnect_timeout_s
     (counted from when it was last heard), and not long after."""
     script = _variant(tmp_path / "lost.py", (
-        "tensorbus.DistributedOptimizer(optimizer, model)",
-        "tensorbus.DistributedOptimizer(optimizer, model, reconnect_timeout_s=3.0)"), (
+        "backward_passes_per_step=args.accumulate)",
+        "backward_passes_per_step=args.accumulate, reconnect_timeout_s=3.0)"), (
         "            optimizer.step()\n",
         "            try:\n"
         "                optimizer.step()\n"
@@ -226,3 +261,43 @@ def test_torchrun_against_a_coordinator_started_by_hand(tmp_path: Path) -> None:
     summary = json.loads(out)
     assert summary["steps"] == 46 and sorted(summary["per_worker"]) == ["0", "1"]
     assert sorted(_accuracies(ran.stderr + ran.stdout)) == [0, 1]
+
+
+def test_with_keys_only_a_script_with_the_run_s_keys_gets_in(tmp_path: Path) -> None:
+    """`tensorbus coordinator --keys DIR` with no SPEC: a script without keys is refused at
+    the CURVE handshake and says so; one given the directory in TENSORBUS_KEYS trains."""
+    keys = tmp_path / "keys"
+    made = zygote.shared().run(["keys", str(keys)], cwd=ROOT, capture_output=True, text=True,
+                               timeout=60, check=False)
+    assert made.returncode == 0, made.stderr
+    log = tmp_path / "coordinator.log"
+    with log.open("w") as logged:
+        coordinator = zygote.shared().popen(
+            ["coordinator", "--workers", "1", "--bind", ANY_PORT, "--keys", str(keys), *QUIET,
+             "--log-level", "info"],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logged, text=True)
+    try:
+        endpoint, _ = bound_in_log(coordinator, log)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("TENSORBUS_")}
+        environ.update(TENSORBUS_COORDINATOR=endpoint, RANK="0", WORLD_SIZE="1",
+                       OMP_NUM_THREADS="1")
+        plain = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "1"], cwd=ROOT,
+                               env=environ, capture_output=True, text=True, timeout=60,
+                               check=False)
+        assert plain.returncode != 0
+        assert "HandshakeError" in plain.stderr, plain.stderr[-2000:]
+        assert "one side uses CURVE keys and the other does not" in plain.stderr
+        assert "(a script's keys: the directory in TENSORBUS_KEYS)" in plain.stderr
+        keyed = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "1"], cwd=ROOT,
+                               env={**environ, "TENSORBUS_KEYS": str(keys)},
+                               capture_output=True, text=True, timeout=60, check=False)
+        assert keyed.returncode == 0, keyed.stderr[-2000:]
+        out, _ = coordinator.communicate(timeout=30)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.communicate()
+    assert coordinator.returncode == 0, log.read_text()
+    summary = json.loads(out)
+    assert summary["steps"] == 93 and sorted(summary["per_worker"]) == ["0"]
+    assert summary["rejected"].get("handshake", 0) >= 1, summary["rejected"]
