@@ -10,10 +10,14 @@ Cutting a worker's link sets its bridge port down (a cable pulled at the switch)
 lose carrier, while the addresses stay where they are (the kernel keeps IPv4 addresses on a
 link that goes down; `restore` checks that and puts them back if some kernel did not).
 
+`shape(rate_mbit)` shapes every worker's link to a bandwidth, each way (a token bucket, `tc
+tbf`, on the egress of both ends of its veth pair), as between machines on a slow network;
+benchmarks/slow_links.py runs training over it (`made_network` outside pytest).
+
 Names carry the test process's pid and a random suffix, so that parallel runs never collide;
 namespaces of ours whose pid is gone (a run killed before its `finally`) are removed on the
 next run. Where namespaces cannot be made (no `ip`, not root, no CAP_SYS_ADMIN in a
-container) `network` skips the test and says why.
+container) `network` skips the test and says why (`made_network` raises Unavailable).
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final
 
-import pytest
-
 PREFIX: Final = "tbnet-"
 SUBNET: Final = "10.211.0"
 COORDINATOR_ADDRESS: Final = f"{SUBNET}.1"
 BRIDGE: Final = "br0"
 WORKER_LINK: Final = "eth0"
+
+
+class Unavailable(Exception):
+    """Namespaces (or shaping) cannot be made here; the message says why."""
 
 
 class NetnsError(Exception):
@@ -83,6 +89,12 @@ class Network:
         namespace, address = self.workers[rank], worker_address(rank)
         if f"inet {address}/" not in ip("-n", namespace, "-4", "addr", "show", WORKER_LINK):
             ip("-n", namespace, "addr", "add", f"{address}/24", "dev", WORKER_LINK)
+
+    def shape(self, rate_mbit: float) -> None:
+        """Shape every worker's link to `rate_mbit` megabits a second in each direction."""
+        for rank, namespace in enumerate(self.workers):
+            _token_bucket(namespace, WORKER_LINK, rate_mbit)  # worker -> the bridge
+            _token_bucket(self.coordinator, port_name(rank), rate_mbit)  # the bridge -> worker
 
     def tcp(self, namespace: str) -> str:
         """`ss -tnoi` inside `namespace`: its TCP connections with timers and retransmits."""
@@ -136,15 +148,40 @@ def _build(net: Network, made: list[str]) -> None:
         ip("-n", namespace, "link", "set", WORKER_LINK, "up")
 
 
+def _token_bucket(namespace: str, device: str, rate_mbit: float) -> None:
+    """tc tbf on `device`'s egress. The bucket holds at least 64 KiB: a veth hands tbf
+    segments of up to 64 KiB (GSO), and a smaller bucket would drop them. Packets wait at
+    most 100 ms in its queue, as in a switch's buffer, before they are dropped."""
+    burst = max(65536, int(rate_mbit * 1e6 / 8 * 0.002))  # (or 2 ms at the rate)
+    command = ["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root",
+               "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=20, check=False,
+                          stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise Unavailable(f"cannot shape a link with tc tbf here: {done.stderr.strip()}")
+
+
 @contextmanager
 def network(workers: int) -> Iterator[Network]:
     """A coordinator namespace and `workers` worker namespaces, bridged; always torn down.
 
     Skips the test (saying why) where namespaces cannot be made here."""
+    import pytest  # (only here: benchmarks use made_network without pytest)
+
+    try:
+        with made_network(workers) as net:
+            yield net
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+@contextmanager
+def made_network(workers: int) -> Iterator[Network]:
+    """`network`, raising Unavailable (saying why) where namespaces cannot be made here."""
     if shutil.which("ip") is None:
-        pytest.skip("needs `ip` (iproute2) to make network namespaces")
+        raise Unavailable("needs `ip` (iproute2) to make network namespaces")
     if shutil.which("ss") is None:
-        pytest.skip("needs `ss` (iproute2) to look at the TCP connections")
+        raise Unavailable("needs `ss` (iproute2) to look at the TCP connections")
     _remove_stale()
     base = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     net = Network(coordinator=f"{base}-c", workers=tuple(f"{base}-w{r}" for r in range(workers)))
@@ -154,9 +191,10 @@ def network(workers: int) -> Iterator[Network]:
             _build(net, made)
         except NetnsError as e:
             if not made:
-                pytest.skip(f"cannot make network namespaces here (needs root, or "
-                            f"CAP_SYS_ADMIN and CAP_NET_ADMIN): {e}")
-            pytest.skip(f"cannot build a bridged veth network in namespaces here: {e}")
+                raise Unavailable(f"cannot make network namespaces here (needs root, or "
+                                  f"CAP_SYS_ADMIN and CAP_NET_ADMIN): {e}") from None
+            raise Unavailable(f"cannot build a bridged veth network in namespaces here: "
+                              f"{e}") from None
         yield net
     finally:
         # Deleting a namespace destroys the links in it, and with a veth its peer.

@@ -96,6 +96,39 @@ def _lost(records: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
     return next((r for r in records if r["event"] == "lost" and r["rank"] == rank), None)
 
 
+def test_a_shaped_link_carries_its_rate_and_no_more() -> None:
+    """`Network.shape`, which benchmarks/slow_links.py trains over: 6 MB from a worker's
+    namespace to the coordinator's at 40 Mbit/s take about 1.2 s; unshaped, a veth carries
+    them many times faster."""
+    rate_mbit, size = 40.0, 6_000_000
+    receiver = ("import socket, sys, time\n"
+                f"s = socket.create_server(('{COORDINATOR_ADDRESS}', {PORT}))\n"
+                "print('listening', flush=True)\n"
+                "c, _ = s.accept(); n = 0; start = time.monotonic()\n"
+                "while (d := c.recv(1 << 20)):\n"
+                "    n += len(d)\n"
+                "print(n, time.monotonic() - start, flush=True)\n")
+    sender = ("import socket\n"
+              f"s = socket.create_connection(('{COORDINATOR_ADDRESS}', {PORT}))\n"
+              f"s.sendall(bytes({size})); s.close()\n")
+    with network(1) as net:
+        net.shape(rate_mbit)
+        listening = subprocess.Popen([*net.exec(net.coordinator), sys.executable, "-c", receiver],
+                                     stdout=subprocess.PIPE, text=True)
+        try:
+            assert listening.stdout is not None and listening.stdout.readline() == "listening\n"
+            subprocess.run([*net.exec(net.workers[0]), sys.executable, "-c", sender],
+                           timeout=30, check=True)
+            received, took = listening.communicate(timeout=30)[0].split()
+        finally:
+            if listening.poll() is None:
+                listening.kill()
+                listening.communicate()
+    assert int(received) == size
+    mbit = size * 8 / float(took) / 1e6
+    assert 0.7 * rate_mbit < mbit < 1.1 * rate_mbit, f"{mbit:.1f} Mbit/s"
+
+
 def test_an_insecure_run_trains_across_namespaces(tmp_path: Path) -> None:
     with net_cluster(tmp_path, workers=2) as c:
         run = ["--workers", "2", "--steps", "60", "--batch-size", "16"]
