@@ -21,30 +21,40 @@ from typing import Final
 
 import torch
 
+from tensorbus.bus import quantize
 from tensorbus.bus.errors import LayoutError
 
 # --compress bf16|fp16: the dtype float gradients travel in (added into fp32 on arrival).
 NARROW: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOPK: Final = "topk:"  # --compress topk:R: the largest R of each range's elements, by magnitude
+# --compress int8|int4: average's pushes as block-quantized differences (bus.quantize)
+QUANTIZED: dict[str, int] = {"int8": 8, "int4": 4}
 
 
 @dataclass(frozen=True)
 class Compression:
-    """How gradients travel (`--compress`): as they are, in a narrower float dtype, or
-    sparse: the k = ceil(R * n) elements of largest magnitude of each of the n-element
-    buckets, as an int64 index tensor and a value tensor (the worker keeps what it did not
-    send and adds it to its next gradient: error feedback)."""
+    """How pushes travel (`--compress`). Gradients: as they are, in a narrower float
+    dtype, or sparse: the k = ceil(R * n) elements of largest magnitude of each of the
+    n-element buckets, as an int64 index tensor and a value tensor (the worker keeps what it
+    did not send and adds it to its next gradient: error feedback). Weights (average):
+    as they are, or quantized to `bits`: each bucket's difference from the version the
+    worker started from, as block-quantized values and their scales (bus.quantize), with
+    error feedback too."""
 
     dtype: torch.dtype | None = None
     topk: float | None = None
+    bits: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Compression:
-        """"" (none), "bf16", "fp16" or "topk:R" with 0 < R < 1; ValueError otherwise."""
+        """"" (none), "bf16", "fp16", "int8", "int4" or "topk:R" with 0 < R < 1;
+        ValueError otherwise."""
         if not text:
             return cls()
         if text in NARROW:
             return cls(dtype=NARROW[text])
+        if text in QUANTIZED:
+            return cls(bits=QUANTIZED[text])
         if text.startswith(TOPK):
             try:
                 ratio = float(text[len(TOPK):])
@@ -53,7 +63,18 @@ class Compression:
             if 0 < ratio < 1:
                 return cls(topk=ratio)
         raise ValueError(f"compress {text!r}: choose bf16, fp16 or topk:R with 0 < R < 1 "
-                         "(topk:0.01 sends the largest 1% of each gradient)")
+                         "(topk:0.01 sends the largest 1% of each gradient), or for average, "
+                         "int8 or int4")
+
+    def check(self, weights_pushed: bool, strategy: str) -> None:
+        """Refuse, in one line, a compression the strategy's pushes cannot take: int8 and
+        int4 are for pushed weights (average), the others for pushed gradients."""
+        if weights_pushed and (self.dtype is not None or self.topk is not None):
+            raise ValueError(f"under {strategy} workers push weights, which --compress sends "
+                             "as int8 or int4 only: choose one of those, or sync, ssp or async")
+        if not weights_pushed and self.bits is not None:
+            raise ValueError(f"--compress int8 and int4 quantize the weights average pushes, "
+                             f"and {strategy} pushes gradients: choose bf16, fp16 or topk:R")
 
     def keep(self, numel: int) -> int:
         """How many of `numel` elements a top-k push sends."""
@@ -68,6 +89,13 @@ class Compression:
             for b in layout.buckets:
                 k = self.keep(b.numel)
                 buckets += [Bucket(torch.int64, k), Bucket(b.dtype, k)]
+            return Layout(layout.entries, tuple(buckets))
+        if self.bits is not None:
+            buckets = []
+            for b in layout.buckets:
+                values, scales = quantize.sizes(b.numel, self.bits)
+                buckets += [Bucket(quantize.VALUE_DTYPE[self.bits], values),
+                            Bucket(torch.float32, scales)]
             return Layout(layout.entries, tuple(buckets))
         return layout.on_wire(self.dtype)
 

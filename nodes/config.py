@@ -44,8 +44,9 @@ class CoordinatorConfig:
     keys: ServerKeys | None = None  # CURVE: encrypt, and admit only the authorized workers
     trace: Path | None = None  # write a Chrome trace-event timeline of the run here
     # Workers push float gradients as bf16 or fp16 (half the bytes), or "topk:R" (the
-    # largest R of each range, with error feedback: bus.layout.Compression); the
-    # coordinator keeps fp32 master weights and broadcasts them as they are. "": as they are.
+    # largest R of each range, with error feedback), and under average their weights as
+    # "int8" or "int4" differences (bus.layout.Compression); the coordinator keeps fp32
+    # master weights and broadcasts them as they are. "": as they are.
     compress: str = ""
     # Under a relay (nodes.relay): this coordinator's ranks start at first_rank, and its
     # workers are told there are world_size data shards (the whole tree's workers).

@@ -188,11 +188,9 @@ class Coordinator:
         self.version = 0
         self._evaluate = evaluate
         self._on_step = on_step
-        if config.compress and weights_pushed:
-            raise ValueError(f"compress applies to pushed gradients, and {strategy.name} pushes "
-                             "weights: drop it, or choose a strategy that pushes gradients")
-        # What pushes must look like: the model's layout, in the compressed dtype if asked.
+        # What pushes must look like: the model's layout, compressed if asked.
         compression = Compression.parse(config.compress)
+        compression.check(weights_pushed, strategy.name)
         self._wire_layout = compression.wire(self.flat.layout)
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "

@@ -113,6 +113,7 @@ class LocalSteps:
         rewritten: list[int] = []
         outbox = self.outbox
         assert outbox is not None
+        outbox.anchor()  # (pushed weights, quantized: the change is taken from here)
 
         def finish(i: int) -> None:
             if i not in finished:
@@ -155,6 +156,7 @@ class LocalSteps:
             samples += len(inputs)
         if self.optimizer is not None:
             self._flat.stage(weights=True)
+            outbox.fill_weights()
         else:
             for i in range(self._shards):  # those backward did not report (no hook ran)
                 finish(i)

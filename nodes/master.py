@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensorbus.bus import quantize
 from tensorbus.bus.buffers import SendBuffers, Tracker, all_done
 from tensorbus.bus.layout import Compression, Layout
 from tensorbus.bus.pieces import Received, fold, sum_into, whole
@@ -92,7 +93,8 @@ class Master:
         if not self.alias or self.touched is not None:
             return False
         return lr is not None or (self.weights_pushed and self.optimizer is None
-                                  and self.compression.topk is None)
+                                  and self.compression.topk is None
+                                  and self.compression.bits is None)
 
     def step(self, updates: list[Update], scale: float, *, version: int,
              into: Buffers | None = None, folded: int = 0) -> None:
@@ -143,10 +145,18 @@ class Master:
 
     def mean(self, updates: list[Update], scale: float) -> None:
         """The mean of the updates (in the given order), times `scale`, into the gradient
-        buffers. Top-k updates are added into zeros at their indices."""
+        buffers. Top-k updates are added into zeros at their indices; quantized weights
+        (changes from the master, bus.quantize) are taken from the master."""
+        bits = self.compression.bits
         with torch.no_grad():
             for b, mean in enumerate(self.flat.grads):
-                if self.compression.topk is not None:
+                if bits is not None:
+                    mean.copy_(self.flat.weights[b])
+                    for update in updates:
+                        quantize.dequantize_add(mean, whole(update[2 * b]),
+                                                whole(update[2 * b + 1]), bits,
+                                                alpha=-scale / len(updates))
+                elif self.compression.topk is not None:
                     mean.zero_()
                     for update in updates:  # small: k elements each
                         mean.index_add_(0, whole(update[2 * b]), whole(update[2 * b + 1]))

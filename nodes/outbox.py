@@ -18,8 +18,14 @@ on the thread that runs backward, as soon as backward has finished that range:
   then drops the push (late, under backups), it is lost, as a dense push's gradient would
   be; so is the residual of a worker that leaves (a rejoining worker starts a new one).
 
-Weights (periodic averaging) travel as they are, from the flat weights (or their mirror).
-Nothing here allocates a gradient-sized buffer after construction.
+Weights (periodic averaging) travel as they are, from the flat weights (or their mirror),
+or with `--compress int8|int4` as the change since the version the local steps started
+from (`anchor`), plus what earlier pushes left out (error feedback), block-quantized
+(bus.quantize, in `fill_weights`). The coordinator holds that version, and takes the
+change from it.
+
+Nothing here allocates a gradient-sized buffer after construction, except the quantizing
+of weights, once a push (every H local steps).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tensorbus.bus import quantize
 from tensorbus.bus.layout import Compression, Shard
 from tensorbus.nodes.flat import Allocate, FlatModel
 from tensorbus.nodes.largest import Largest
@@ -40,8 +47,16 @@ class Outbox:
         self._flat, self._shards, self._compression = flat, shards, compression
         self._narrow = compression.dtype is not None and not weights
         self._topk = compression.topk is not None and not weights
+        self._bits = compression.bits if weights else None
         self.parts: list[list[tuple[torch.Tensor, ...]]]  # [gradient set][shard] -> tensors
-        if weights:
+        if self._bits is not None:
+            # Made where the weights are; on a GPU, copied to the host parts to be sent.
+            self._quantized = [self._quantized_part(shard, flat.device) for shard in shards]
+            self.parts = [[self._quantized_part(shard, torch.device("cpu")) for shard in shards]
+                          if flat.device.type != "cpu" else self._quantized]
+            self._anchor = tuple(w.detach().clone() for w in flat.weights)
+            self._residual = tuple(torch.zeros_like(w, dtype=torch.float32) for w in flat.weights)
+        elif weights:
             self.parts = [[shard.take(flat.host_weights) for shard in shards]]
         elif self._topk:
             self.parts = [[self._sparse(shard) for shard in shards] for _ in range(flat.grad_sets)]
@@ -67,6 +82,53 @@ class Outbox:
             k = self._compression.keep(span.numel)
             tensors += [torch.zeros(k, dtype=torch.int64), torch.zeros(k, dtype=bucket.dtype)]
         return tuple(tensors)
+
+    def _quantized_part(self, shard: Shard, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Per span of the shard: its values and its scales (bus.quantize.sizes)."""
+        assert self._bits is not None
+        tensors: list[torch.Tensor] = []
+        for span in shard.spans:
+            values, scales = quantize.sizes(span.numel, self._bits)
+            tensors += [torch.zeros(values, dtype=quantize.VALUE_DTYPE[self._bits], device=device),
+                        torch.zeros(scales, dtype=torch.float32, device=device)]
+        return tuple(tensors)
+
+    def anchor(self) -> None:
+        """Before local steps whose weights are pushed quantized: the weights they start
+        from (the version loaded, which the coordinator holds). Nothing otherwise."""
+        if self._bits is None:
+            return
+        with torch.no_grad():
+            for kept, weights in zip(self._anchor, self._flat.weights, strict=True):
+                kept.copy_(weights)
+
+    def fill_weights(self) -> None:
+        """After local steps whose weights are pushed quantized: each shard's change since
+        `anchor`, plus the residual, quantized into its parts; what the integers leave out
+        becomes the residual. A change that is not finite is sent as it is (its scales are
+        not finite: the coordinator drops it) and leaves the residual as it was."""
+        bits = self._bits
+        if bits is None:
+            return
+        weights = self._flat.weights
+        with torch.no_grad():
+            for index, shard in enumerate(self._shards):
+                made, part = self._quantized[index], self.parts[0][index]
+                for n, s in enumerate(shard.spans):
+                    change = (self._anchor[s.bucket][s.start:s.stop].float()
+                              - weights[s.bucket][s.start:s.stop].float())
+                    residual = self._residual[s.bucket][s.start:s.stop]
+                    finite = bool(torch.isfinite(change).all())
+                    if finite:
+                        change.add_(residual)
+                    values, scales = made[2 * n], made[2 * n + 1]
+                    quantize.quantize(change, bits, values, scales)
+                    if finite:
+                        residual.copy_(change)
+                        quantize.dequantize_add(residual, values, scales, bits, alpha=-1.0)
+                if part is not made:
+                    for host, device in zip(part, made, strict=True):
+                        host.copy_(device)
 
     def fill(self, index: int, current: int) -> None:
         """Make shard `index`'s part of gradient set `current` ready to send."""

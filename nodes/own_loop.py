@@ -239,17 +239,19 @@ class _ScriptWorker(Worker):
             del weights
         if loaded is not None:
             loaded()
+        outbox = self._local_steps.outbox
+        assert outbox is not None
+        outbox.anchor()  # (pushed weights, quantized: the change is taken from here)
         total = 0.0
         for _ in range(local_steps):
             yield  # the script's turn: forward, backward (and its own step, under average)
             total += self._turns.loss
             self._local_steps.count += 1
-        outbox = self._local_steps.outbox
-        assert outbox is not None
         # (Where the coordinator steps: with the script's rates, its scheduler's.)
         self.lrs = json.dumps([float(group["lr"]) for group in self._optimizer.param_groups])
         if self.weights_pushed:
             self.flat.stage(weights=True)
+            outbox.fill_weights()
         else:
             self.flat.gather_grads()
             for i in range(len(self.links)):

@@ -338,10 +338,12 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
              "in DIR/authorized (see `tensorbus keys`)")
     p.add_argument("--resume", action="store_true",
                    help="go on from the newest checkpoint in --checkpoint-dir (if any)")
-    p.add_argument("--compress", metavar="bf16|fp16|topk:R",
+    p.add_argument("--compress", metavar="bf16|fp16|topk:R|int8|int4",
                    help="push gradients in bf16 or fp16 (half the bytes), or as the "
                         "largest R of their elements (topk:0.01: 1%%, with error "
-                        "feedback); the coordinator keeps fp32 weights (sync, ssp, async)")
+                        "feedback) (sync, ssp, async); under average, push each worker's "
+                        "change to the weights as 8- or 4-bit integers with a scale per 64 "
+                        "(with error feedback); the coordinator keeps fp32 weights")
     _shared_memory(p)
     p.add_argument("--eval-every", type=_eval_every, metavar="SECONDS|Nep",
                    help="copy the weights every SECONDS of training, or at the end of every "

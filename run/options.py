@@ -67,7 +67,7 @@ class RunOptions:
     resume: bool = False
     keys: Path | None = None  # a key directory (see `tensorbus keys`): CURVE on every socket
     trace: Path | None = None  # a Chrome trace-event timeline of the run, written here
-    compress: str = ""  # "bf16", "fp16" or "topk:R": how gradients are pushed
+    compress: str = ""  # "bf16", "fp16", "topk:R"; average: "int8", "int4" (bus.layout)
     shards: int = 1  # coordinator shards, each owning a range of the parameters
     # `local` only: each worker process serves one coordinator shard (nodes.colocated).
     colocate: bool = False
@@ -127,10 +127,9 @@ class RunOptions:
                              "with --shards or --colocate each coordinator shard holds only a "
                              "range of it: drop one of them (or use average, whose workers "
                              "clip their own)")
-        Compression.parse(self.compress)  # a one-line error naming the choices
-        if self.compress and strategy.rhythm.push is PushKind.WEIGHTS:
-            raise ValueError(f"--compress applies to pushed gradients, and {self.strategy} "
-                             "pushes weights: drop it, or choose sync, ssp or async")
+        # (One-line errors naming the choices, and what the strategy's pushes can take.)
+        Compression.parse(self.compress).check(strategy.rhythm.push is PushKind.WEIGHTS,
+                                               self.strategy)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:

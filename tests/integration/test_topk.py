@@ -40,7 +40,7 @@ def test_the_wire_layout_has_an_index_and_a_value_bucket_per_range() -> None:
     assert wire.digest == layout.digest  # the same model
 
 
-@pytest.mark.parametrize("text", ["topk:0", "topk:1", "topk:-0.1", "topk:", "topk:x", "top:0.1", "int8"])
+@pytest.mark.parametrize("text", ["topk:0", "topk:1", "topk:-0.1", "topk:", "topk:x", "top:0.1", "int3"])
 def test_a_bad_compression_says_what_to_write(text: str) -> None:
     with pytest.raises(ValueError, match="choose bf16, fp16 or topk:R with 0 < R < 1"):
         Compression.parse(text)

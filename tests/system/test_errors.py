@@ -69,8 +69,11 @@ def test_a_spec_that_does_not_exist() -> None:
     (["--resume"], "tensorbus: error: --resume and --checkpoint-every need --checkpoint-dir"),
     (["--min-workers", "3"], "tensorbus: error: --min-workers must be in 1..--workers (2), got 3"),
     (["--strategy", "average", "--compress", "bf16"],
-     "tensorbus: error: --compress applies to pushed gradients, and average pushes weights: "
-     "drop it, or choose sync, ssp or async"),
+     "tensorbus: error: under average workers push weights, which --compress sends as int8 "
+     "or int4 only: choose one of those, or sync, ssp or async"),
+    (["--strategy", "sync", "--compress", "int4"],
+     "tensorbus: error: --compress int8 and int4 quantize the weights average pushes, and "
+     "sync pushes gradients: choose bf16, fp16 or topk:R"),
     (["--epochs", "0"], "tensorbus: error: --epochs must be at least 1, got 0"),
     (["--threads", "0"], "tensorbus: error: --threads must be at least 1, got 0"),
     (["--batch-size", "0"], "tensorbus: error: --batch-size must be at least 1, got 0"),
@@ -83,7 +86,7 @@ def test_a_spec_that_does_not_exist() -> None:
      "tensorbus: error: --outer-momentum or --nesterov needs --outer-lr"),
     (["--eval-every", "0"], "tensorbus: error: --eval-every must be positive, got 0"),
 ], ids=["steps-and-epochs", "option-of-another-strategy", "resume-without-dir", "min-workers",
-        "compress-weights", "no-epochs", "no-threads", "no-batch", "heartbeat-timeout",
+        "compress-weights", "quantize-gradients", "no-epochs", "no-threads", "no-batch", "heartbeat-timeout",
         "average-every", "outer-lr", "eval-every"])
 def test_a_wrong_combination_of_flags(args: list[str], line: str) -> None:
     done = _tensorbus("local", DIGITS, "--workers", "2", *args)

@@ -98,7 +98,7 @@ def test_accumulated_backward_passes_are_pushed_as_one_step(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(("strategy", "options"), [
     ("sync", ["--backups", "1"]), ("ssp", ["--keys", "KEYS"]), ("async", []),
-    ("average", ["--average-every", "4"]),
+    ("average", ["--average-every", "4", "--compress", "int4"]),
 ])
 def test_every_strategy_trains_the_example(tmp_path: Path, strategy: str,
                                            options: list[str]) -> None:
