@@ -1,0 +1,266 @@
+"""Training over slow links: time to a target accuracy, and bytes on the wire per step, for
+DDP, sync, average and average with int4 changes, side by side in one run.
+
+The coordinator and each of --workers workers run in a network namespace of their own
+(tests/netns.py), every worker's link shaped to --rate-mbit in each direction (tc tbf), as
+between machines on a slow network. The model and data are examples/fashion_mnist.py's
+(a 235k-parameter MLP, Fashion-MNIST), batch 64 a worker, plain SGD with --lr:
+
+- ddp: PyTorch DistributedDataParallel on gloo between the worker namespaces (rank 0's
+  address is the rendezvous). Rank 0 takes the test accuracy every --ddp-eval-every steps,
+  while the others wait; that time is not counted as training.
+- sync, average:H (H local steps a round), average-int4:H (the same, `--compress int4`):
+  `tensorbus coordinator` and `tensorbus worker`s, with `--eval-every 1` (a copy of the
+  weights each second of training, evaluated once training is over) and
+  `--no-shared-memory`: the namespaces share this host's /dev/shm, which machines would not.
+
+Each method trains for --seconds of training time. Reported for each:
+
+- time to target: the training seconds until the test accuracy first reaches --target;
+- the final test accuracy;
+- bytes per worker per step: what each worker's link received and sent (its interface's
+  counters, TCP/IP headers included, joining and leaving too), over the training steps it
+  took (its local steps under average), and DDP's figure divided by it.
+
+Needs root (network namespaces); elsewhere it says why and writes nothing.
+
+    python -m benchmarks slow_links
+    python -m benchmarks slow_links --seconds 10 --methods sync ddp     # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import RESULTS, ROOT, Meta, write_json, write_markdown
+
+sys.path.insert(0, str(ROOT / "tests"))
+from netns import (  # noqa: E402 - the namespaces' helper lives with the tests that use it
+    COORDINATOR_ADDRESS,
+    WORKER_LINK,
+    Network,
+    Unavailable,
+    made_network,
+    worker_address,
+)
+
+SPEC = ROOT / "examples" / "fashion_mnist.py"
+PORT = 5555  # each namespace is new: any port is free in it
+METHODS = ("ddp", "sync", "average:16", "average-int4:16", "average-int4:64")
+
+DDP = f'''
+import json, sys, time
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {str(ROOT / "examples")!r})
+import fashion_mnist as spec
+
+rank, world, seconds, every, lr = (int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
+                                   int(sys.argv[4]), float(sys.argv[5]))
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=rank, world_size=world)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(spec.model())
+optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+batches = spec.data(rank, world, 64)
+start, paused, steps, stop = time.monotonic(), 0.0, 0, torch.zeros(1)
+while not stop.item():
+    for x, y in batches:
+        optimizer.zero_grad()
+        spec.loss(model(x), y).backward()
+        optimizer.step()
+        steps += 1
+        if steps % every == 0:
+            held = time.monotonic()
+            if rank == 0:
+                train_s = held - start - paused
+                figures = spec.evaluate(model.module)
+                print(json.dumps({{"train_s": train_s, "steps": steps, **figures}}), flush=True)
+                stop.fill_(float(train_s >= seconds))
+            dist.broadcast(stop, 0)
+            paused += time.monotonic() - held
+            if stop.item():
+                break
+dist.destroy_process_group()
+'''
+
+
+def _counters(net: Network) -> list[int]:
+    """Bytes each worker's link has received and sent so far."""
+    counted = []
+    for namespace in net.workers:
+        done = subprocess.run(["ip", "-n", namespace, "-s", "-j", "link", "show", WORKER_LINK],
+                              capture_output=True, text=True, timeout=20, check=True)
+        stats = json.loads(done.stdout)[0]["stats64"]
+        counted.append(stats["rx"]["bytes"] + stats["tx"]["bytes"])
+    return counted
+
+
+def _reap(processes: Sequence[subprocess.Popen[str]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+def ddp(net: Network, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    script = tmp / "ddp.py"
+    script.write_text(DDP)
+    environ = {"MASTER_ADDR": worker_address(0), "MASTER_PORT": str(PORT),
+               "GLOO_SOCKET_IFNAME": WORKER_LINK, "OMP_NUM_THREADS": "1"}
+    env_prefix = ["env", *(f"{k}={v}" for k, v in environ.items())]
+    before = _counters(net)
+    ranks = [subprocess.Popen([*net.exec(namespace), *env_prefix, sys.executable, str(script),
+                               str(rank), str(args.workers), str(args.seconds),
+                               str(args.ddp_eval_every), str(args.lr)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, namespace in enumerate(net.workers)]
+    try:
+        outputs = [rank.communicate(timeout=args.seconds * 10 + 120) for rank in ranks]
+    finally:
+        _reap(ranks)
+    for rank, (_, err) in zip(ranks, outputs, strict=True):
+        if rank.returncode != 0:
+            raise RuntimeError(f"a DDP rank failed: {err[-2000:]}")
+    after = _counters(net)
+    points = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    steps = points[-1]["steps"]
+    return {"points": [(p["train_s"], p["accuracy"]) for p in points], "steps": steps,
+            "bytes": [(b - a) / steps for a, b in zip(before, after, strict=True)]}
+
+
+def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) -> dict[str, Any]:
+    name, _, every = method.partition(":")
+    local_steps = int(every or 1)
+    options = {"sync": ["--strategy", "sync"],
+               "average": ["--strategy", "average", "--average-every", every],
+               "average-int4": ["--strategy", "average", "--average-every", every,
+                                "--compress", "int4"]}[name]
+    metrics = tmp / f"{method.replace(':', '-')}.jsonl"
+    endpoint = f"tcp://{COORDINATOR_ADDRESS}:{PORT}"
+    command = [sys.executable, "-m", "tensorbus"]
+    before = _counters(net)
+    coordinator = subprocess.Popen(
+        [*net.exec(net.coordinator), *command, "coordinator", str(SPEC), "--bind", endpoint,
+         "--insecure", "--workers", str(args.workers), "--epochs", "100", "--batch-size", "64",
+         "--lr", str(args.lr), "--metrics", str(metrics), "--eval-every", "1", "--threads", "1",
+         "--no-progress", "--json", "--no-shared-memory", *options],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = [subprocess.Popen([*net.exec(namespace), *command, "worker", str(SPEC), "--connect",
+                                 endpoint, "--rank", str(rank), "--threads", "1",
+                                 "--no-shared-memory"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for rank, namespace in enumerate(net.workers)]
+    try:
+        # Trained for --seconds of training time (the metrics' train_s), then stopped.
+        deadline = time.monotonic() + args.seconds * 10 + 120
+        while _trained_s(metrics) < args.seconds:
+            if coordinator.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{method}: the coordinator ended or stalled: "
+                                   f"{coordinator.communicate()[1][-2000:]}")
+            time.sleep(0.2)
+        coordinator.send_signal(signal.SIGTERM)
+        out, err = coordinator.communicate(timeout=600)  # (it evaluates the copies first)
+        for worker in workers:
+            worker.communicate(timeout=60)
+    finally:
+        _reap([coordinator, *workers])
+    after = _counters(net)
+    summary = json.loads(out)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    points = [(r["train_s"], r["accuracy"]) for r in records if r["event"] == "eval"]
+    steps = summary["steps"] * local_steps
+    return {"points": points, "steps": steps, "final": summary.get("accuracy"),
+            "bytes": [(b - a) / steps for a, b in zip(before, after, strict=True)]}
+
+
+def _trained_s(metrics: Path) -> float:
+    if not metrics.exists():
+        return 0.0
+    trained = 0.0
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # (a line being written)
+        if record.get("event") == "step":
+            trained = max(trained, record["train_s"])
+    return trained
+
+
+def _method(text: str) -> str:
+    name, _, every = text.partition(":")
+    if text in ("ddp", "sync") or (name in ("average", "average-int4") and every.isdigit()
+                                   and int(every) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: choose ddp, sync, average:H or average-int4:H")
+
+
+def _to_target(points: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, accuracy in points if accuracy >= target), None)
+
+
+def main(argv: Sequence[str], meta: Meta) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks slow_links")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--seconds", type=float, default=60.0, help="training time, each method")
+    parser.add_argument("--target", type=float, default=0.80, help="test accuracy")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--ddp-eval-every", type=int, default=20, help="steps")
+    parser.add_argument("--methods", nargs="+", type=_method, default=list(METHODS),
+                        help="ddp, sync, average:H, average-int4:H")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        with made_network(args.workers) as net, tempfile.TemporaryDirectory() as tmp:
+            net.shape(args.rate_mbit)
+            for method in args.methods:
+                run = (ddp(net, args, Path(tmp)) if method == "ddp"
+                       else tensorbus(net, args, Path(tmp), method))
+                run["to_target_s"] = _to_target(run["points"], args.target)
+                run["final"] = run.get("final") or (run["points"][-1][1] if run["points"] else None)
+                run["bytes_per_step"] = statistics.mean(run["bytes"])
+                results[method] = run
+                print(f"{method}: {run['steps']} steps, target at {run['to_target_s']} s, final "
+                      f"{run['final']}, {run['bytes_per_step'] / 1e3:.1f} kB a worker a step",
+                      flush=True)
+    except Unavailable as e:
+        sys.exit(f"slow_links needs network namespaces: {e}")
+    _write(args, results, meta)
+
+
+def _write(args: argparse.Namespace, results: dict[str, dict[str, Any]], meta: Meta) -> None:
+    ddp_bytes = results.get("ddp", {}).get("bytes_per_step")
+    ddp_time = results.get("ddp", {}).get("to_target_s")
+    lines = ["# Over slow links: time to target and bytes on the wire", "",
+             f"{args.workers} workers, each link shaped to {args.rate_mbit:g} Mbit/s each way; "
+             f"Fashion-MNIST MLP, batch 64 a worker, SGD lr {args.lr:g}; {args.seconds:g} s of "
+             f"training each; target: test accuracy {args.target:.0%}. average:H and "
+             "average-int4:H take H local steps a round; int4 pushes each worker's change "
+             "as 4-bit integers, and versions come back in float32.", "",
+             "| method | steps a worker | time to target, s | ÷ DDP's | final accuracy | "
+             "bytes a worker a step | DDP's ÷ this |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for method, run in results.items():
+        to_target = run["to_target_s"]
+        time_cell = f"{to_target:.1f}" if to_target is not None else "not reached"
+        ratio = (f"{to_target / ddp_time:.2f}" if to_target is not None and ddp_time else "")
+        fewer = f"{ddp_bytes / run['bytes_per_step']:.1f}" if ddp_bytes else ""
+        final = f"{run['final']:.2%}" if run["final"] is not None else ""
+        lines.append(f"| {method} | {run['steps']} | {time_cell} | {ratio} | {final} | "
+                     f"{run['bytes_per_step'] / 1e3:.1f} kB | {fewer} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_markdown(args.out / "slow_links.md", "\n".join(lines) + "\n", meta)
+    write_json(args.out / "slow_links.json", {"args": {k: str(v) for k, v in vars(args).items()},
+                                              "results": results}, meta)
