@@ -209,13 +209,18 @@ def test_sync_computes_on_the_shards_sets_and_steps_as_one_coordinator(optimizer
     central = _central(Sync(workers=2), optimizer, steps=12)
     nodes, bound = _colocated(lambda: Sync(workers=2), optimizer, steps=12)
     assert sum(bound) >= len(bound) - 4  # all but the first version or so of each shard
+    # The shards' ranges, put together: the central run's weights.
+    assert all(isinstance(node.coordinator.model, ShardModel) for node in nodes)
+    shards = [node.coordinator.model for node in nodes]
+    assert max_difference(central, assemble(initial(), shards)) <= 1e-5  # type: ignore[arg-type]
     for node in nodes:
-        assert node.worker is not None and node.worker.version == 12
+        # A worker may end before it loads the last version (the stop comes right after
+        # it, and nothing computes on it): 11 under load, once in CI.
+        assert node.worker is not None and node.worker.version in (11, 12)
         assert node.colocated_sets is not None and node.colocated_sets.bound is None  # back on its own
         # Made for the first versions, then reused: a pool in shared memory reuses a set
         # only while 3 others are free (bus.buffers), so it makes a few more.
         assert len(node.colocated_sets._sets) <= 8
-        assert max_difference(central, node.worker.flat.module) <= 1e-5
     assert max_difference(central, initial()) > 1e-3
 
 
