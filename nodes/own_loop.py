@@ -137,6 +137,7 @@ class _ScriptThread(ComputeThread):
         self._step: tuple[concurrent.futures.Future[Any], Generator[None, None, Any]] | None = None
         self.ended: BaseException | None = None  # the run is over for this script: why
         self.loss = 0.0  # what the script's last step() reported
+        self.samples = 0  # samples the model took in training mode since the last step()
 
     def end(self, why: BaseException) -> None:
         """The worker's thread is over (why): the script's next wait raises it."""
@@ -242,10 +243,12 @@ class _ScriptWorker(Worker):
         outbox = self._local_steps.outbox
         assert outbox is not None
         outbox.anchor()  # (pushed weights, quantized: the change is taken from here)
-        total = 0.0
+        total, samples = 0.0, 0
         for _ in range(local_steps):
+            self._turns.samples = 0
             yield  # the script's turn: forward, backward (and its own step, under average)
             total += self._turns.loss
+            samples += self._turns.samples
             self._local_steps.count += 1
         # (Where the coordinator steps: with the script's rates, its scheduler's.)
         self.lrs = json.dumps([float(group["lr"]) for group in self._optimizer.param_groups])
@@ -256,7 +259,7 @@ class _ScriptWorker(Worker):
             self.flat.gather_grads()
             for i in range(len(self.links)):
                 outbox.fill(i, current)
-        return total / local_steps, 0
+        return total / local_steps, samples
 
 
 class _ScriptData(RankData):
@@ -314,6 +317,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               keys=_keys(os.environ))
         self._worker = _ScriptWorker(model=model, optimizer=optimizer, config=config,
                                      script_thread=self._turns)
+        # The samples a step trained on, for the run's figures: the first dimension of what
+        # the model takes in training mode (a script's evaluation is in eval mode).
+        model.register_forward_pre_hook(self._count_samples)
         flat = self._worker.flat  # the model's tensors now lie in its flat buffers
         self._describe = Describe(
             sender=context.rank, layout=flat.layout.digest, model=described, build=BUILD,
@@ -325,6 +331,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _count_pass(self, _: torch.Tensor) -> None:
         self._passes += 1
+
+    def _count_samples(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        first = inputs[0] if inputs else None
+        if module.training and isinstance(first, torch.Tensor) and first.dim() > 0:
+            self._turns.samples += first.shape[0]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
