@@ -47,7 +47,7 @@ def test_a_few_adamw_steps_learn_the_bytes_of_english() -> None:
         optimizer.zero_grad()
         gpt.loss(model(x), y).backward()
         optimizer.step()
-        if step == 20:
+        if step == 10:
             break
     after = gpt.evaluate(model)
-    assert after["bits_per_byte"] < 5.0, after  # the frequent bytes of English, at least
+    assert after["bits_per_byte"] < 5.0, after  # the frequent bytes of English, at least (4.5)
