@@ -1,8 +1,9 @@
 """The consistency models side by side on Fashion-MNIST, with and without a straggler.
 
 Runs `tensorbus local` (through `launch_local`) for each model: sync on 4 workers, sync
-with 1 backup on 5, ssp with S = 2, async, and periodic averaging with H = 8, each for the
-same number of samples, first with every worker at full speed, then with worker 1 made a
+with 1 backup on 5, ssp with S = 2, async, periodic averaging with H = 8 (with full and
+int8 pushes) and asynchronous averaging with H = 8 (int8), each for the same number of
+samples, first with every worker at full speed, then with worker 1 made a
 straggler by `--fault slow:1:MS`. MS is measured in the same invocation: twice the step
 time of the calm sync run, so that the straggler's steps take about 3x as long. Weight
 copies taken every `--eval-every` seconds of training are evaluated afterwards, which gives
@@ -48,6 +49,7 @@ class Model:
     strategy: str
     workers: int
     options: dict[str, Any]
+    compress: str = ""
 
 
 MODELS = (
@@ -56,18 +58,20 @@ MODELS = (
     Model("ssp S=2", "ssp", 4, {"staleness": 2}),
     Model("async", "async", 4, {}),
     Model("average H=8", "average", 4, {"average_every": 8}),
+    Model("average H=8, int8", "average", 4, {"average_every": 8}, "int8"),
+    Model("async-average H=8 (int8)", "async-average", 4, {"average_every": 8}),
 )
 
 
 def run(model: Model, args: argparse.Namespace, slow_ms: int | None, workdir: Path) -> dict[str, Any]:
     """One run; its summary, its accuracy curve and the straggler's measured slow-down."""
-    metrics = workdir / f"{model.strategy}-{model.workers}-{slow_ms}.jsonl"
+    metrics = workdir / f"{model.strategy}-{model.workers}-{model.compress}-{slow_ms}.jsonl"
     faults = (f"slow:{STRAGGLER}:{slow_ms}",) if slow_ms else ()
     options = RunOptions(
         workers=model.workers, strategy=model.strategy,
         **({"steps": args.steps} if args.steps else {"epochs": args.epochs}),
         batch_size=args.batch_size, lr=args.lr, metrics=metrics, strategy_options=model.options,
-        faults=faults, eval_every_s=args.eval_every,
+        faults=faults, eval_every_s=args.eval_every, compress=model.compress,
     )
     summary = launch_local(SPEC, options, threads=1)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -30,6 +30,7 @@ then its broadcast, then a stop) would no longer be read in one place. A relay
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -177,6 +178,10 @@ class Coordinator:
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
                              "that nodes.shards.assemble fills")
+        if strategy.changes_pushed and not config.compress:
+            # (Pushes are changes since the version loaded, which go quantized: int8 unless
+            # int4 is asked for. strategies.async_average.)
+            config = dataclasses.replace(config, compress="int8")
         self.model = model
         self.strategy = strategy
         self.config = config

@@ -4,6 +4,7 @@
 is one file with a `Strategy` subclass, and one line here.
 """
 
+from tensorbus.strategies.async_average import AsyncAveraging
 from tensorbus.strategies.average import OuterOptimizer, PeriodicAveraging
 from tensorbus.strategies.base import (
     Apply,
@@ -28,7 +29,7 @@ from tensorbus.strategies.stale import Async, StaleSync
 from tensorbus.strategies.sync import Sync
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Sync, StaleSync, Async, PeriodicAveraging)
+    cls.name: cls for cls in (Sync, StaleSync, Async, PeriodicAveraging, AsyncAveraging)
 }
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "Apply",
     "Arrived",
     "Async",
+    "AsyncAveraging",
     "Decision",
     "Drop",
     "DropReason",

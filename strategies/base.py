@@ -178,6 +178,8 @@ class Strategy(ABC):
     name: ClassVar[str]
     options: ClassVar[frozenset[str]] = frozenset()
     outer: OuterOptimizer | None = None  # for weight pushes: None averages plainly
+    # Weight pushes that are changes since the version loaded, quantized (async-average).
+    changes_pushed: ClassVar[bool] = False
 
     def __init__(self, *, workers: int, rhythm: Rhythm, stall_after_s: float = 30.0) -> None:
         if workers < 1:

@@ -502,7 +502,8 @@ def test_an_error_in_the_specs_code_offers_its_traceback(tmp_path: Path) -> None
      "tensorbus --help)"),
     (["local", "s.py", "--workers", "2", "--strategy", "synk"],
      "tensorbus local: error: argument --strategy: invalid choice: 'synk' (choose from 'async', "
-     "'average', 'ssp', 'sync'); did you mean sync? (see tensorbus local --help)"),
+     "'async-average', 'average', 'ssp', 'sync'); did you mean sync? (see tensorbus local "
+     "--help)"),
     # Never abbreviated: --worker is not taken for --workers.
     (["local", "s.py", "--worker", "2"],
      "tensorbus local: error: the following arguments are required: --workers (see tensorbus "

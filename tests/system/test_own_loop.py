@@ -80,6 +80,7 @@ def test_sync_gives_the_weights_of_the_spec_route(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("strategy", "options"), [
     ("sync", ["--backups", "1"]), ("ssp", ["--keys", "KEYS"]), ("async", ["--metrics", "METRICS"]),
     ("average", ["--average-every", "4", "--compress", "int4"]),
+    ("async-average", ["--average-every", "4"]),
 ])
 def test_every_strategy_trains_the_example(tmp_path: Path, strategy: str,
                                            options: list[str]) -> None:

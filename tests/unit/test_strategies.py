@@ -16,6 +16,7 @@ from tensorbus.strategies import (
     Apply,
     Arrived,
     Async,
+    AsyncAveraging,
     Drop,
     DropReason,
     Hold,
@@ -671,7 +672,8 @@ def test_average_rounds_equal_sync_rounds(seed):
 
 def test_registry_names():
     assert STRATEGIES == {
-        "sync": Sync, "ssp": StaleSync, "async": Async, "average": PeriodicAveraging
+        "sync": Sync, "ssp": StaleSync, "async": Async, "average": PeriodicAveraging,
+        "async-average": AsyncAveraging,
     }
     for name, cls in STRATEGIES.items():
         assert cls.name == name
@@ -723,3 +725,19 @@ def test_invalid_workers(cls, workers):
 def test_invalid_stall_after(cls, seconds):
     with pytest.raises(ValueError, match="stall_after_s must be positive"):
         cls(workers=1, stall_after_s=seconds)
+
+
+def test_async_average_applies_each_change_at_one_over_w_and_holds_nobody():
+    strategy = AsyncAveraging(workers=2, average_every=4)
+    assert strategy.rhythm == Rhythm(push=PushKind.WEIGHTS, local_steps=4, wait=Wait.ANSWERED)
+    assert strategy.changes_pushed and not Sync(workers=2).changes_pushed
+    for worker in (0, 1):
+        strategy.handle(Joined(worker, 0.0))
+    # Worker 0 three times before worker 1 once: each a version of its own, none held.
+    decisions = [strategy.handle(Arrived(w, v, 0.0)) for w, v in ((0, 0), (0, 1), (0, 2), (1, 0))]
+    assert [d for ds in decisions for d in ds if isinstance(d, Apply)] == [
+        Apply(0, (0,), 0.5), Apply(1, (0,), 0.5), Apply(2, (0,), 0.5), Apply(0, (1,), 0.5)]
+    assert not any(isinstance(d, Hold) for ds in decisions for d in ds)
+    assert strategy.version == 4
+    with pytest.raises(ValueError, match="average_every must be at least 1, got 0"):
+        AsyncAveraging(workers=2, average_every=0)
