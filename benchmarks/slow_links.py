@@ -1,23 +1,26 @@
-"""Training over slow links: time to a target accuracy, and bytes on the wire per step, for
+"""Training over slow links: time to a target figure, and bytes on the wire per step, for
 DDP, sync, average and average with int4 changes, side by side in one run.
 
 The coordinator and each of --workers workers run in a network namespace of their own
 (tests/netns.py), every worker's link shaped to --rate-mbit in each direction (tc tbf), as
-between machines on a slow network. The model and data are examples/fashion_mnist.py's
-(a 235k-parameter MLP, Fashion-MNIST), batch 64 a worker, plain SGD with --lr:
+between machines on a slow network. The model, data and optimizer are --spec's (by default
+examples/fashion_mnist.py: a 235k-parameter MLP, Fashion-MNIST, plain SGD with --lr; or
+examples/tiny_gpt.py, a language model with AdamW), --batch-size a worker:
 
 - ddp: PyTorch DistributedDataParallel on gloo between the worker namespaces (rank 0's
-  address is the rendezvous). Rank 0 takes the test accuracy every --ddp-eval-every steps,
+  address is the rendezvous). Rank 0 evaluates the model every --ddp-eval-every steps,
   while the others wait; that time is not counted as training.
-- sync, average:H (H local steps a round), average-int4:H (the same, `--compress int4`):
+- sync, average:H (H local steps a round), average-int4:H (the same, `--compress int4`),
+  diloco:H and diloco-int4:H (average with DiLoCo's outer step: lr 0.7, Nesterov 0.9):
   `tensorbus coordinator` and `tensorbus worker`s, with `--eval-every 1` (a copy of the
   weights each second of training, evaluated once training is over) and
   `--no-shared-memory`: the namespaces share this host's /dev/shm, which machines would not.
 
 Each method trains for --seconds of training time. Reported for each:
 
-- time to target: the training seconds until the test accuracy first reaches --target;
-- the final test accuracy;
+- time to target: the training seconds until --metric (one of evaluate()'s figures) first
+  reaches --target: at least it for accuracy, at most it for a loss or bits a byte;
+- the final figure;
 - bytes per worker per step: what each worker's link received and sent (its interface's
   counters, TCP/IP headers included, joining and leaving too), over the training steps it
   took (its local steps under average), and DDP's figure divided by it.
@@ -25,12 +28,15 @@ Each method trains for --seconds of training time. Reported for each:
 Needs root (network namespaces); elsewhere it says why and writes nothing.
 
     python -m benchmarks slow_links
+    python -m benchmarks slow_links --spec examples/tiny_gpt.py --batch-size 16 \
+        --metric bits_per_byte --target 3.5 --methods ddp sync diloco:32 diloco-int4:32
     python -m benchmarks slow_links --seconds 10 --methods sync ddp     # a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import signal
 import statistics
@@ -55,24 +61,30 @@ from netns import (  # noqa: E402 - the namespaces' helper lives with the tests 
 )
 
 SPEC = ROOT / "examples" / "fashion_mnist.py"
+AVERAGES = {"average": [], "average-int4": ["--compress", "int4"],
+            "diloco": ["--outer-lr", "0.7", "--outer-momentum", "0.9", "--nesterov"],
+            "diloco-int4": ["--outer-lr", "0.7", "--outer-momentum", "0.9", "--nesterov",
+                            "--compress", "int4"]}
 PORT = 5555  # each namespace is new: any port is free in it
 METHODS = ("ddp", "sync", "average:16", "average-int4:16", "average-int4:64")
 
-DDP = f'''
-import json, sys, time
+DDP = '''
+import importlib.util, json, sys, time
 import torch
 import torch.distributed as dist
-sys.path.insert(0, {str(ROOT / "examples")!r})
-import fashion_mnist as spec
 
-rank, world, seconds, every, lr = (int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
-                                   int(sys.argv[4]), float(sys.argv[5]))
+rank, world, seconds, every, lr, batch = (int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
+                                          int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]))
+found = importlib.util.spec_from_file_location("spec", sys.argv[7])
+spec = importlib.util.module_from_spec(found)
+found.loader.exec_module(spec)
 torch.set_num_threads(1)
 dist.init_process_group("gloo", rank=rank, world_size=world)
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(spec.model())
-optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-batches = spec.data(rank, world, 64)
+optimizer = (spec.optimizer(model.parameters()) if hasattr(spec, "optimizer")
+             else torch.optim.SGD(model.parameters(), lr=lr))
+batches = spec.data(rank, world, batch)
 start, paused, steps, stop = time.monotonic(), 0.0, 0, torch.zeros(1)
 while not stop.item():
     for x, y in batches:
@@ -85,7 +97,7 @@ while not stop.item():
             if rank == 0:
                 train_s = held - start - paused
                 figures = spec.evaluate(model.module)
-                print(json.dumps({{"train_s": train_s, "steps": steps, **figures}}), flush=True)
+                print(json.dumps({"train_s": train_s, "steps": steps, **figures}), flush=True)
                 stop.fill_(float(train_s >= seconds))
             dist.broadcast(stop, 0)
             paused += time.monotonic() - held
@@ -122,7 +134,8 @@ def ddp(net: Network, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     before = _counters(net)
     ranks = [subprocess.Popen([*net.exec(namespace), *env_prefix, sys.executable, str(script),
                                str(rank), str(args.workers), str(args.seconds),
-                               str(args.ddp_eval_every), str(args.lr)],
+                               str(args.ddp_eval_every), str(args.lr), str(args.batch_size),
+                               str(args.spec)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank, namespace in enumerate(net.workers)]
     try:
@@ -135,28 +148,28 @@ def ddp(net: Network, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     after = _counters(net)
     points = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
     steps = points[-1]["steps"]
-    return {"points": [(p["train_s"], p["accuracy"]) for p in points], "steps": steps,
+    return {"points": [(p["train_s"], p[args.metric]) for p in points], "steps": steps,
             "bytes": [(b - a) / steps for a, b in zip(before, after, strict=True)]}
 
 
 def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) -> dict[str, Any]:
     name, _, every = method.partition(":")
     local_steps = int(every or 1)
-    options = {"sync": ["--strategy", "sync"],
-               "average": ["--strategy", "average", "--average-every", every],
-               "average-int4": ["--strategy", "average", "--average-every", every,
-                                "--compress", "int4"]}[name]
+    options = (["--strategy", "sync"] if name == "sync"
+               else ["--strategy", "average", "--average-every", every, *AVERAGES[name]])
     metrics = tmp / f"{method.replace(':', '-')}.jsonl"
     endpoint = f"tcp://{COORDINATOR_ADDRESS}:{PORT}"
     command = [sys.executable, "-m", "tensorbus"]
     before = _counters(net)
     coordinator = subprocess.Popen(
-        [*net.exec(net.coordinator), *command, "coordinator", str(SPEC), "--bind", endpoint,
-         "--insecure", "--workers", str(args.workers), "--epochs", "100", "--batch-size", "64",
-         "--lr", str(args.lr), "--metrics", str(metrics), "--eval-every", "1", "--threads", "1",
+        [*net.exec(net.coordinator), *command, "coordinator", str(args.spec), "--bind", endpoint,
+         "--insecure", "--workers", str(args.workers), "--epochs", "100", "--batch-size",
+         str(args.batch_size),
+         *([] if _has_optimizer(args.spec) else ["--lr", str(args.lr)]),
+         "--metrics", str(metrics), "--eval-every", "1", "--threads", "1",
          "--no-progress", "--json", "--no-shared-memory", *options],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    workers = [subprocess.Popen([*net.exec(namespace), *command, "worker", str(SPEC), "--connect",
+    workers = [subprocess.Popen([*net.exec(namespace), *command, "worker", str(args.spec), "--connect",
                                  endpoint, "--rank", str(rank), "--threads", "1",
                                  "--no-shared-memory"],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -178,9 +191,9 @@ def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) ->
     after = _counters(net)
     summary = json.loads(out)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    points = [(r["train_s"], r["accuracy"]) for r in records if r["event"] == "eval"]
+    points = [(r["train_s"], r[args.metric]) for r in records if r["event"] == "eval"]
     steps = summary["steps"] * local_steps
-    return {"points": points, "steps": steps, "final": summary.get("accuracy"),
+    return {"points": points, "steps": steps, "final": summary.get(args.metric),
             "bytes": [(b - a) / steps for a, b in zip(before, after, strict=True)]}
 
 
@@ -200,14 +213,29 @@ def _trained_s(metrics: Path) -> float:
 
 def _method(text: str) -> str:
     name, _, every = text.partition(":")
-    if text in ("ddp", "sync") or (name in ("average", "average-int4") and every.isdigit()
-                                   and int(every) > 0):
+    if text in ("ddp", "sync") or (name in AVERAGES and every.isdigit() and int(every) > 0):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r}: choose ddp, sync, average:H or average-int4:H")
+    raise argparse.ArgumentTypeError(f"{text!r}: choose ddp, sync, or one of "
+                                     f"{', '.join(AVERAGES)} with :H")
 
 
-def _to_target(points: list[tuple[float, float]], target: float) -> float | None:
-    return next((t for t, accuracy in points if accuracy >= target), None)
+def _has_optimizer(spec: Path) -> bool:
+    """Whether the SPEC defines optimizer() (then --lr is refused: its own lr wins)."""
+    found = importlib.util.spec_from_file_location("slow_links_spec", spec)
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return hasattr(module, "optimizer")
+
+
+def _higher_is_better(metric: str) -> bool:
+    return "loss" not in metric and "bits" not in metric
+
+
+def _to_target(points: list[tuple[float, float]], target: float, metric: str) -> float | None:
+    higher = _higher_is_better(metric)
+    return next((t for t, figure in points if (figure >= target if higher else figure <= target)),
+                None)
 
 
 def main(argv: Sequence[str], meta: Meta) -> None:
@@ -215,8 +243,11 @@ def main(argv: Sequence[str], meta: Meta) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--seconds", type=float, default=60.0, help="training time, each method")
-    parser.add_argument("--target", type=float, default=0.80, help="test accuracy")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--spec", type=Path, default=SPEC)
+    parser.add_argument("--batch-size", type=int, default=64, help="a worker's")
+    parser.add_argument("--metric", default="accuracy", help="one of evaluate()'s figures")
+    parser.add_argument("--target", type=float, default=0.80)
+    parser.add_argument("--lr", type=float, default=0.1, help="where the SPEC has no optimizer()")
     parser.add_argument("--ddp-eval-every", type=int, default=20, help="steps")
     parser.add_argument("--methods", nargs="+", type=_method, default=list(METHODS),
                         help="ddp, sync, average:H, average-int4:H")
@@ -229,7 +260,7 @@ def main(argv: Sequence[str], meta: Meta) -> None:
             for method in args.methods:
                 run = (ddp(net, args, Path(tmp)) if method == "ddp"
                        else tensorbus(net, args, Path(tmp), method))
-                run["to_target_s"] = _to_target(run["points"], args.target)
+                run["to_target_s"] = _to_target(run["points"], args.target, args.metric)
                 run["final"] = run.get("final") or (run["points"][-1][1] if run["points"] else None)
                 run["bytes_per_step"] = statistics.mean(run["bytes"])
                 results[method] = run
@@ -244,23 +275,29 @@ def main(argv: Sequence[str], meta: Meta) -> None:
 def _write(args: argparse.Namespace, results: dict[str, dict[str, Any]], meta: Meta) -> None:
     ddp_bytes = results.get("ddp", {}).get("bytes_per_step")
     ddp_time = results.get("ddp", {}).get("to_target_s")
+    spec = Path(args.spec).resolve()
+    name = spec.relative_to(ROOT) if spec.is_relative_to(ROOT) else spec
+    reached = "at least" if _higher_is_better(args.metric) else "at most"
     lines = ["# Over slow links: time to target and bytes on the wire", "",
              f"{args.workers} workers, each link shaped to {args.rate_mbit:g} Mbit/s each way; "
-             f"Fashion-MNIST MLP, batch 64 a worker, SGD lr {args.lr:g}; {args.seconds:g} s of "
-             f"training each; target: test accuracy {args.target:.0%}. average:H and "
-             "average-int4:H take H local steps a round; int4 pushes each worker's change "
-             "as 4-bit integers, and versions come back in float32.", "",
-             "| method | steps a worker | time to target, s | ÷ DDP's | final accuracy | "
+             f"{name}, batch {args.batch_size} a worker (its optimizer(), else SGD lr "
+             f"{args.lr:g}); {args.seconds:g} s of training each; target: {args.metric} "
+             f"{reached} {args.target:g}. average:H takes H local steps a round; diloco:H "
+             "adds DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9); -int4 pushes each "
+             "worker's change as 4-bit integers, and versions come back in float32.", "",
+             f"| method | steps a worker | time to target, s | ÷ DDP's | final {args.metric} | "
              "bytes a worker a step | DDP's ÷ this |", "|---|---:|---:|---:|---:|---:|---:|"]
     for method, run in results.items():
         to_target = run["to_target_s"]
         time_cell = f"{to_target:.1f}" if to_target is not None else "not reached"
         ratio = (f"{to_target / ddp_time:.2f}" if to_target is not None and ddp_time else "")
         fewer = f"{ddp_bytes / run['bytes_per_step']:.1f}" if ddp_bytes else ""
-        final = f"{run['final']:.2%}" if run["final"] is not None else ""
+        final = "" if run["final"] is None else (
+            f"{run['final']:.2%}" if args.metric == "accuracy" else f"{run['final']:.3f}")
         lines.append(f"| {method} | {run['steps']} | {time_cell} | {ratio} | {final} | "
                      f"{run['bytes_per_step'] / 1e3:.1f} kB | {fewer} |")
+    stem = "slow_links" if spec == SPEC else f"slow_links-{spec.stem}"
     args.out.mkdir(parents=True, exist_ok=True)
-    write_markdown(args.out / "slow_links.md", "\n".join(lines) + "\n", meta)
-    write_json(args.out / "slow_links.json", {"args": {k: str(v) for k, v in vars(args).items()},
-                                              "results": results}, meta)
+    write_markdown(args.out / f"{stem}.md", "\n".join(lines) + "\n", meta)
+    write_json(args.out / f"{stem}.json", {"args": {k: str(v) for k, v in vars(args).items()},
+                                           "results": results}, meta)
