@@ -165,7 +165,7 @@ def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) ->
         [*net.exec(net.coordinator), *command, "coordinator", str(args.spec), "--bind", endpoint,
          "--insecure", "--workers", str(args.workers), "--epochs", "100", "--batch-size",
          str(args.batch_size),
-         *([] if _has_optimizer(args.spec) else ["--lr", str(args.lr)]),
+         *([] if args.spec_has_optimizer else ["--lr", str(args.lr)]),
          "--metrics", str(metrics), "--eval-every", "1", "--threads", "1",
          "--no-progress", "--json", "--no-shared-memory", *options],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -177,10 +177,12 @@ def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) ->
     try:
         # Trained for --seconds of training time (the metrics' train_s), then stopped.
         deadline = time.monotonic() + args.seconds * 10 + 120
-        while _trained_s(metrics) < args.seconds:
+        trained = _TrainedFor(metrics)
+        while trained.seconds() < args.seconds:
             if coordinator.poll() is not None or time.monotonic() > deadline:
+                coordinator.kill()
                 raise RuntimeError(f"{method}: the coordinator ended or stalled: "
-                                   f"{coordinator.communicate()[1][-2000:]}")
+                                   f"{coordinator.communicate(timeout=30)[1][-2000:]}")
             time.sleep(0.2)
         coordinator.send_signal(signal.SIGTERM)
         out, err = coordinator.communicate(timeout=600)  # (it evaluates the copies first)
@@ -197,18 +199,28 @@ def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) ->
             "bytes": [(b - a) / steps for a, b in zip(before, after, strict=True)]}
 
 
-def _trained_s(metrics: Path) -> float:
-    if not metrics.exists():
-        return 0.0
-    trained = 0.0
-    for line in metrics.read_text().splitlines():
-        try:
+class _TrainedFor:
+    """The training seconds a run's metrics file has reached, read as the file grows: each
+    call reads only the lines written since the last, and leaves a line being written for
+    the next."""
+
+    def __init__(self, metrics: Path) -> None:
+        self._metrics = metrics
+        self._offset = 0
+        self._seconds = 0.0
+
+    def seconds(self) -> float:
+        if not self._metrics.exists():
+            return 0.0
+        with self._metrics.open("rb") as file:
+            file.seek(self._offset)
+            *lines, _ = file.read().split(b"\n")  # (the last is incomplete, or empty)
+        for line in lines:
+            self._offset += len(line) + 1
             record = json.loads(line)
-        except ValueError:
-            continue  # (a line being written)
-        if record.get("event") == "step":
-            trained = max(trained, record["train_s"])
-    return trained
+            if record.get("event") == "step":
+                self._seconds = max(self._seconds, record["train_s"])
+        return self._seconds
 
 
 def _method(text: str) -> str:
@@ -253,6 +265,7 @@ def main(argv: Sequence[str], meta: Meta) -> None:
                         help="ddp, sync, average:H, average-int4:H")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    args.spec_has_optimizer = _has_optimizer(args.spec)  # (then --lr is refused: its lr wins)
     results: dict[str, dict[str, Any]] = {}
     try:
         with made_network(args.workers) as net, tempfile.TemporaryDirectory() as tmp:

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 import torch
-from specs import load_example
-from test_quantized_average import _by_hand, _initial, _sgd
+from equivalence import digits, initial
+from test_quantized_average import _by_hand, _sgd
 
 from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from tensorbus.nodes.faults import Faults
@@ -17,14 +17,12 @@ from tensorbus.strategies import AsyncAveraging
 
 pytestmark = pytest.mark.timeout(30)
 
-digits = load_example("digits")
-
 
 def _train(workers: int, h: int, b: int, steps: int, *, slow_s: tuple[float, ...] = (),
            compress: str = "") -> tuple[Coordinator, dict]:  # type: ignore[type-arg]
     async def train() -> tuple[Coordinator, dict]:  # type: ignore[type-arg]
         coordinator = Coordinator(
-            model=_initial(), strategy=AsyncAveraging(workers=workers, average_every=h),
+            model=initial(), strategy=AsyncAveraging(workers=workers, average_every=h),
             optimizer=_sgd, evaluate=digits.evaluate,
             config=CoordinatorConfig(batch_size=b, steps=steps, compress=compress))
         endpoint = coordinator.bind()

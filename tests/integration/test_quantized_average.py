@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 import torch
-from specs import load_example
+from equivalence import LR, digits, initial
 
 from tensorbus.bus.quantize import VALUE_DTYPE, dequantize_add, quantize, sizes
 from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
@@ -19,23 +19,15 @@ from tensorbus.strategies import PeriodicAveraging, Sync
 
 pytestmark = pytest.mark.timeout(30)
 
-LR = 0.05
-digits = load_example("digits")
-
 
 def _sgd(params):  # type: ignore[no-untyped-def]
-    return torch.optim.SGD(params, lr=LR)
-
-
-def _initial() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return digits.model()
+    return torch.optim.SGD(params, lr=LR)  # (plain: the outer arithmetic is the point here)
 
 
 def _train(compress: str, workers: int, rounds: int, h: int, b: int) -> Coordinator:
     async def train() -> Coordinator:
         coordinator = Coordinator(
-            model=_initial(), strategy=PeriodicAveraging(workers=workers, average_every=h),
+            model=initial(), strategy=PeriodicAveraging(workers=workers, average_every=h),
             optimizer=_sgd, config=CoordinatorConfig(batch_size=b, steps=rounds, compress=compress))
         endpoint = coordinator.bind()
         team = [Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=_sgd,
@@ -61,9 +53,9 @@ def _load(model: torch.nn.Module, flat: torch.Tensor) -> None:
 
 def _by_hand(bits: int, workers: int, rounds: int, h: int, b: int) -> torch.nn.Module:
     """Local SGD whose pushes are quantized changes with error feedback, by hand."""
-    model = _initial()
+    model = initial()
     # The model is one float32 bucket, its parameters in order: the blocks run across them.
-    layout = FlatModel(_initial()).layout
+    layout = FlatModel(initial()).layout
     assert len(layout.buckets) == 1
     assert [e.name for e in layout.entries] == [n for n, _ in model.named_parameters()]
     shards = [iter(digits.data(rank, workers, b)) for rank in range(workers)]
@@ -103,7 +95,7 @@ def test_quantized_average_is_local_sgd_with_quantized_changes_by_hand(compress:
     for (name, g), w in zip(got.named_parameters(), want.parameters(), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-5, msg=f"parameter {name}")
     moved = max((w - s).abs().max().item()
-                for w, s in zip(want.parameters(), _initial().parameters(), strict=True))
+                for w, s in zip(want.parameters(), initial().parameters(), strict=True))
     assert moved > 1e-2
     # The quantization did something: unquantized averaging ends elsewhere.
     plain = _train("", workers, rounds, h, b).model
@@ -114,9 +106,9 @@ def test_quantized_average_is_local_sgd_with_quantized_changes_by_hand(compress:
 def test_each_strategy_refuses_the_compressions_its_pushes_cannot_take() -> None:
     with pytest.raises(ValueError, match="under average workers push weights, which --compress "
                                          "sends as int8 or int4 only"):
-        Coordinator(model=_initial(), strategy=PeriodicAveraging(workers=2), optimizer=_sgd,
+        Coordinator(model=initial(), strategy=PeriodicAveraging(workers=2), optimizer=_sgd,
                     config=CoordinatorConfig(batch_size=8, steps=1, compress="bf16"))
     with pytest.raises(ValueError, match="--compress int8 and int4 quantize the weights average "
                                          "pushes, and sync pushes gradients"):
-        Coordinator(model=_initial(), strategy=Sync(workers=2), optimizer=_sgd,
+        Coordinator(model=initial(), strategy=Sync(workers=2), optimizer=_sgd,
                     config=CoordinatorConfig(batch_size=8, steps=1, compress="int4"))

@@ -9,7 +9,10 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +25,24 @@ DIGITS = ROOT / "examples" / "digits.py"
 QUIET = ["--threads", "1", "--no-progress", "--json"]
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@contextmanager
+def _coordinator(tmp_path: Path, *args: str) -> Iterator[tuple[Any, str, Path]]:
+    """`tensorbus coordinator ARGS` with no SPEC on a free loopback port, logging at info
+    into tmp_path: the process, its endpoint and its log. Killed at the end if still alive."""
+    log = tmp_path / "coordinator.log"
+    with log.open("w") as logged:
+        coordinator = zygote.shared().popen(
+            ["coordinator", "--bind", ANY_PORT, *args, *QUIET, "--log-level", "info"],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logged, text=True)
+    try:
+        endpoint, _ = bound_in_log(coordinator, log)
+        yield coordinator, endpoint, log
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+        coordinator.communicate(timeout=30)  # (reaped, its pipe closed; again: a no-op)
 
 
 def _launch(*args: str, script: Path = EXAMPLE, timeout: float = 100) -> subprocess.CompletedProcess[str]:
@@ -170,34 +191,28 @@ def test_a_lost_coordinator_makes_step_raise_after_the_reconnect_deadline(tmp_pa
         "            except tensorbus.PeerTimeoutError as e:\n"
         "                print('lost:', e, flush=True)\n"
         "                raise SystemExit(3)\n"))
-    log = tmp_path / "coordinator.log"
-    with log.open("w") as logged:
-        coordinator = zygote.shared().popen(
-            ["coordinator", "--workers", "2", "--bind", ANY_PORT, "--heartbeat", "0.2",
-             "--timeout", "1", *QUIET, "--log-level", "info"],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logged)
-    scripts: list[subprocess.Popen[str]] = []
-    try:
-        endpoint, _ = bound_in_log(coordinator, log)
+    with _coordinator(tmp_path, "--workers", "2", "--heartbeat", "0.2",
+                      "--timeout", "1") as (coordinator, endpoint, log):
         environ = {**os.environ, "TENSORBUS_COORDINATOR": endpoint, "WORLD_SIZE": "2",
                    "OMP_NUM_THREADS": "1"}
         scripts = [subprocess.Popen([sys.executable, str(script), "--epochs", "1000"], cwd=ROOT,
                                     env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)},
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                    for r in range(2)]
-        deadline = time.monotonic() + 60
-        while "first step with workers" not in log.read_text():
-            assert time.monotonic() < deadline and coordinator.poll() is None, log.read_text()
-            time.sleep(0.05)
-        coordinator.kill()
-        killed = time.monotonic()
-        outputs = [script.communicate(timeout=30) for script in scripts]
-        took = time.monotonic() - killed
-    finally:
-        for process in [coordinator, *scripts]:
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
+        try:
+            deadline = time.monotonic() + 60
+            while "first step with workers" not in log.read_text():
+                assert time.monotonic() < deadline and coordinator.poll() is None, log.read_text()
+                time.sleep(0.05)
+            coordinator.kill()
+            killed = time.monotonic()
+            outputs = [script.communicate(timeout=30) for script in scripts]
+            took = time.monotonic() - killed
+        finally:
+            for process in scripts:
+                if process.poll() is None:
+                    process.kill()
+                process.communicate()
     for script, (out, err) in zip(scripts, outputs, strict=True):
         assert script.returncode == 3, err[-2000:]
         assert out.startswith("lost: "), out
@@ -216,13 +231,7 @@ def test_alone_the_script_is_a_plain_pytorch_script() -> None:
 def test_torchrun_against_a_coordinator_started_by_hand(tmp_path: Path) -> None:
     """`tensorbus coordinator` with no SPEC, and torchrun's two processes finding it from
     TENSORBUS_COORDINATOR."""
-    log = tmp_path / "coordinator.log"
-    with log.open("w") as logged:
-        coordinator = zygote.shared().popen(
-            ["coordinator", "--workers", "2", "--bind", ANY_PORT, *QUIET, "--log-level", "info"],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logged, text=True)
-    try:
-        endpoint, _ = bound_in_log(coordinator, log)
+    with _coordinator(tmp_path, "--workers", "2") as (coordinator, endpoint, log):
         environ = {**os.environ, "TENSORBUS_COORDINATOR": endpoint, "OMP_NUM_THREADS": "1"}
         ran = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -230,10 +239,6 @@ def test_torchrun_against_a_coordinator_started_by_hand(tmp_path: Path) -> None:
             cwd=ROOT, env=environ, capture_output=True, text=True, timeout=90, check=False)
         assert ran.returncode == 0, ran.stderr[-3000:]
         out, _ = coordinator.communicate(timeout=30)
-    finally:
-        if coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.communicate()
     assert coordinator.returncode == 0, log.read_text()
     summary = json.loads(out)
     assert summary["steps"] == 46 and sorted(summary["per_worker"]) == ["0", "1"]
@@ -258,14 +263,8 @@ def test_with_keys_only_a_script_with_the_run_s_keys_gets_in(tmp_path: Path) -> 
         "    optimizer.zero_grad()\n"
         "    model(torch.ones(8, 4)).pow(2).mean().backward()\n"
         "    optimizer.step()\n")
-    log = tmp_path / "coordinator.log"
-    with log.open("w") as logged:
-        coordinator = zygote.shared().popen(
-            ["coordinator", "--workers", "1", "--bind", ANY_PORT, "--keys", str(keys), *QUIET,
-             "--log-level", "info"],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logged, text=True)
-    try:
-        endpoint, _ = bound_in_log(coordinator, log)
+    with _coordinator(tmp_path, "--workers", "1", "--keys", str(keys)) as (
+            coordinator, endpoint, log):
         environ = {k: v for k, v in os.environ.items() if not k.startswith("TENSORBUS_")}
         environ.update(TENSORBUS_COORDINATOR=endpoint, RANK="0", WORLD_SIZE="1",
                        OMP_NUM_THREADS="1")
@@ -280,10 +279,6 @@ def test_with_keys_only_a_script_with_the_run_s_keys_gets_in(tmp_path: Path) -> 
                                capture_output=True, text=True, timeout=60, check=False)
         assert keyed.returncode == 0, keyed.stderr[-2000:]
         out, _ = coordinator.communicate(timeout=30)
-    finally:
-        if coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.communicate()
     assert coordinator.returncode == 0, log.read_text()
     summary = json.loads(out)
     assert summary["steps"] == 5 and sorted(summary["per_worker"]) == ["0"]
