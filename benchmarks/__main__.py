@@ -94,6 +94,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark(name="slow_links", measures="time to target and bytes a step over 100 Mbit/s links",
               baseline="DDP on gloo over the same links", minutes="8", runs=((),),
               smoke=("--seconds", "5", "--methods", "sync", "average-int4:16")),
+    Benchmark(name="gpu", measures="Fashion-MNIST on CUDA workers, sync step, host-device copies",
+              baseline="CPU workers; one process and DDP on gloo on the same GPU; pageable memory",
+              minutes="4", runs=(),
+              smoke=("--device", "cpu", "--quick", "--steps", "20", "--rounds", "1")),
     Benchmark(name="ab", measures="this checkout's training speed against commit REV's",
               baseline="REV, from a git worktree", minutes="1.5 a round", runs=(),
               smoke=("HEAD", "--rounds", "1", "--only", "start")),
@@ -112,7 +116,8 @@ def listing() -> str:
     for b in BENCHMARKS.values():
         lines += [f"  {b.name:{width}}  {b.minutes:>11}  {b.measures}",
                   f"  {'':{width}}  {'':>11}  against {b.baseline}"]
-    lines += ["", "Not in `all`: ab (it needs REV) and single_process (it writes no result)."]
+    lines += ["", "Not in `all`: ab (it needs REV), gpu (it needs a CUDA device) and "
+              "single_process (it writes no result)."]
     return "\n".join(lines)
 
 

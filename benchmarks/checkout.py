@@ -39,7 +39,9 @@ def cli(tree: Path = ROOT) -> Iterator[tuple[list[str], dict[str, str]]]:
             path, module = [links, str(tree)], "tensorbus"
         else:
             path, module = [str(tree)], "run"
-        yield [sys.executable, "-m", module], {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        # (A PYTHONPATH already set stays, after these: what it adds, pyzmq say, is still found.)
+        kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        yield [sys.executable, "-m", module], {**os.environ, "PYTHONPATH": os.pathsep.join(path + kept)}
 
 
 def run_tensorbus(args: list[str], tree: Path = ROOT, *,

@@ -53,9 +53,12 @@ def _steady(times: list[float]) -> float:
 
 
 def _train_steps(model: torch.nn.Module, steps: int, rank: int, world: int,
-                 batch: int = BATCH) -> list[float]:
+                 batch: int = BATCH, device: str = "cpu") -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = mlp.images()
+    x, y = (t.to(device) for t in mlp.images())
+    # On a GPU a step's kernels are only queued when step() returns: wait for them, so that
+    # a step's time is its work's.
+    done = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     times = []
     for i in range(steps):
         started = time.perf_counter()
@@ -63,29 +66,31 @@ def _train_steps(model: torch.nn.Module, steps: int, rank: int, world: int,
         optimizer.zero_grad()
         mlp.loss(model(x[at : at + batch]), y[at : at + batch]).backward()
         optimizer.step()
+        done()
         times.append(time.perf_counter() - started)
     return times
 
 
-def _single(params: str, steps: int, out: Any, batch: int) -> None:
+def _single(params: str, steps: int, out: Any, batch: int, device: str) -> None:
     os.environ["BENCH_PARAMS"] = params
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    out.put(_train_steps(mlp.model(), steps, 0, 1, batch))
+    out.put(_train_steps(mlp.model().to(device), steps, 0, 1, batch, device))
 
 
-def single(params: str, steps: int, batch: int = BATCH) -> float:
-    """Seconds per step of one process (forward, backward, SGD step), batch 64 unless said."""
+def single(params: str, steps: int, batch: int = BATCH, device: str = "cpu") -> float:
+    """Seconds per step of one process (forward, backward, SGD step), batch 64 unless said,
+    on the CPU unless `device` names a GPU."""
     context = mp.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=_single, args=(params, steps, queue, batch))
+    process = context.Process(target=_single, args=(params, steps, queue, batch, device))
     process.start()
     times = queue.get(timeout=600)
     process.join(60)
     return _steady(times)
 
 
-def _ddp(rank: int, world: int, port: int, params: str, steps: int, out: Any) -> None:
+def _ddp(rank: int, world: int, port: int, params: str, steps: int, out: Any, device: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(BENCH_PARAMS=params, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -93,20 +98,23 @@ def _ddp(rank: int, world: int, port: int, params: str, steps: int, out: Any) ->
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(mlp.model())
-        times = _train_steps(model, steps, rank, world)
+        on_gpu = device != "cpu"
+        model = torch.nn.parallel.DistributedDataParallel(
+            mlp.model().to(device), device_ids=[torch.device(device).index] if on_gpu else None)
+        times = _train_steps(model, steps, rank, world, device=device)
         if rank == 0:
             out.put(times)
     finally:
         dist.destroy_process_group()
 
 
-def ddp(params: str, steps: int, workers: int = 2) -> float:
-    """Seconds per step of DDP on gloo, batch 64 per process."""
+def ddp(params: str, steps: int, workers: int = 2, device: str = "cpu") -> float:
+    """Seconds per step of DDP on gloo, batch 64 per process; every process on `device`
+    (gloo reduces CUDA tensors through host memory: NCCL refuses two ranks on one GPU)."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_ddp, args=(r, workers, port, params, steps, queue))
+    processes = [context.Process(target=_ddp, args=(r, workers, port, params, steps, queue, device))
                  for r in range(workers)]
     for p in processes:
         p.start()
@@ -146,12 +154,14 @@ def local_wall_s(params: str, workers: int, *extra: str, tree: Path = ROOT) -> f
 
 
 def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = "",
-                   colocate: bool = False, tree: Path = ROOT) -> float:
+                   colocate: bool = False, tree: Path = ROOT, device: str = "cpu") -> float:
     """Seconds per version of `tensorbus local --strategy sync`, batch 64 per worker: with
-    one central coordinator, or with `colocate`, a shard in every worker (--colocate)."""
+    one central coordinator, or with `colocate`, a shard in every worker (--colocate);
+    the workers compute on `device`."""
     records = _tensorbus(params, workers, "sync", steps,
                          *(["--compress", compress] if compress else []),
-                         *(["--colocate"] if colocate else []), tree=tree)
+                         *(["--colocate"] if colocate else []),
+                         *(["--device", device] if device != "cpu" else []), tree=tree)
     at = [r["train_s"] for r in records if r["event"] == "step"]
     return _steady([b - a for a, b in itertools.pairwise(at)])
 

@@ -42,8 +42,10 @@ Allocate = Callable[[Sequence[tuple[int, torch.dtype]]], tuple[torch.Tensor, ...
 
 
 class FlatModel:
-    def __init__(self, module: nn.Module, device: str | torch.device = "cpu") -> None:
+    def __init__(self, module: nn.Module, device: str | torch.device = "cpu", *,
+                 pinned: bool = True) -> None:
         self.device = torch.device(device)
+        self._pinned = pinned  # host mirrors in page-locked memory (benchmarks/gpu.py: off)
         module.to(self.device)
         self.module = module
         self.model_buffers = ModelBuffers(carried(module), self.device)
@@ -52,7 +54,7 @@ class FlatModel:
         self.weights = self._allocate(self.device)
         on_cpu = self.device.type == "cpu"
         # What travels: the buffers themselves on the CPU, pinned mirrors of them on a GPU.
-        self.host_weights = self.weights if on_cpu else self._allocate(None, pin=True)
+        self.host_weights = self.weights if on_cpu else self._allocate(None, pin=pinned)
         self._grad_sets: list[tuple[torch.Tensor, ...]] = []
         self.host_grad_sets: list[tuple[torch.Tensor, ...]] = []
         self._grad_views: list[list[torch.Tensor]] = []
@@ -97,7 +99,7 @@ class FlatModel:
             grads = self._new_grad_set(first=not self._grad_sets)
             self._grad_sets.append(grads)
             on_cpu = self.device.type == "cpu"
-            self.host_grad_sets.append(grads if on_cpu else self._allocate(None, pin=True))
+            self.host_grad_sets.append(grads if on_cpu else self._allocate(None, pin=self._pinned))
             self._grad_views.append(self.layout.views(grads))
 
     def _new_grad_set(self, *, first: bool) -> tuple[torch.Tensor, ...]:
