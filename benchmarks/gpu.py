@@ -44,6 +44,7 @@ from benchmarks import checkout, mlp, steps
 from benchmarks.report import RESULTS, Meta, write_json, write_markdown
 from tensorbus.bus.codec import CHUNK_BYTES
 from tensorbus.bus.pieces import Pieces, copy_into
+from tensorbus.bus.shared import SharedAllocator
 from tensorbus.nodes.flat import FlatModel
 
 SPEC = "examples/fashion_mnist.py"
@@ -77,6 +78,8 @@ def step_times(device: str, params: str, count: int, rounds: int) -> list[dict[s
         "single": lambda: steps.single(params, count, device=device),
         "ddp": lambda: steps.ddp(params, count, device=device),
         "tensorbus": lambda: steps.tensorbus_sync(params, count, device=device),
+        "tensorbus_bytes": lambda: steps.tensorbus_sync(params, count, device=device,
+                                                        extra=("--no-shared-memory",)),
     }
     found = []
     for i in range(rounds):
@@ -107,31 +110,34 @@ def _frames(numel: int, dtype: torch.dtype) -> Pieces:
 
 
 def copies(device: str, params: str, repeats: int) -> dict[str, Any]:
-    """Milliseconds and GB/s of a sync step's copies, with pinned staging on and off."""
+    """Seconds of a sync step's copies, each way, the worker's and the alternatives."""
     os.environ["BENCH_PARAMS"] = params
     torch.manual_seed(0)
+    shm = SharedAllocator()
+    flats = {"pinned": FlatModel(mlp.model(), device),
+             "pageable": FlatModel(mlp.model(), device, pinned=False),
+             "shared": FlatModel(mlp.model(), device)}
+    flats["shared"].share_grads(shm.allocate)  # (page-locked there: FlatModel.share_grads)
     found: dict[str, Any] = {}
-    for pinned in (True, False):
-        flat = FlatModel(mlp.model(), device, pinned=pinned)
-        for grads in flat.grads:
-            grads.normal_()
-        found[f"d2h_{'pinned' if pinned else 'pageable'}_s"] = _median_s(
-            lambda f=flat: f.stage(weights=False), repeats, device)
-    size = sum(t.numel() * t.element_size() for t in flat.grads)
-    # What a received Weights message leaves: each buffer in frames of CHUNK_BYTES, each
-    # frame an allocation of its own in ordinary (pageable) memory.
-    frames = [_frames(t.numel(), t.dtype) for t in flat.weights]
-    staging = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=True) for t in flat.weights]
+    try:
+        for name, flat in flats.items():
+            for grads in flat.grads:
+                grads.normal_()
+            found[f"d2h_{name}_s"] = _median_s(lambda f=flat: f.stage(weights=False), repeats, device)
+        flat = flats["pinned"]
+        # What a received Weights message leaves: each buffer in frames of CHUNK_BYTES,
+        # each frame an allocation of its own in ordinary (pageable) memory.
+        frames = [_frames(t.numel(), t.dtype) for t in flat.weights]
 
-    def through_pinned() -> None:
-        for host, received in zip(staging, frames, strict=True):
-            copy_into(host, received)
-        flat.load(staging)
+        def straight() -> None:
+            for dst, src in zip(flat.weights, frames, strict=True):
+                copy_into(dst, src)  # (a copy from pageable memory a frame)
 
-    found["h2d_pageable_s"] = _median_s(lambda: flat.load(frames), repeats, device)
-    found["h2d_through_pinned_s"] = _median_s(through_pinned, repeats, device)
-    found["h2d_from_pinned_s"] = _median_s(lambda: flat.load(staging), repeats, device)
-    found["bytes"] = size
+        found["h2d_staged_s"] = _median_s(lambda: flat.load(frames), repeats, device)
+        found["h2d_straight_s"] = _median_s(straight, repeats, device)
+        found["bytes"] = sum(t.numel() * t.element_size() for t in flat.grads)
+    finally:
+        shm.close()
     return found
 
 
@@ -144,8 +150,19 @@ def _table(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[str]:
 
 
 def report(result: dict[str, Any]) -> str:
-    lines = ["# The GPU path on a real GPU", "", f"Device: {result['device_words']}.", "",
-             f"## (a) Fashion-MNIST, {result['length']}, 2 workers, seed 0", "",
+    """The Markdown of the parts that ran."""
+    lines = ["# The GPU path on a real GPU", "", f"Device: {result['device_words']}."]
+    if "fashion" in result:
+        lines += _fashion_lines(result)
+    if "steps" in result:
+        lines += _step_lines(result["steps"])
+    if "copies" in result:
+        lines += _copy_lines(result["copies"], result.get("steps", {}).get("params", ""))
+    return "\n".join(lines) + "\n"
+
+
+def _fashion_lines(result: dict[str, Any]) -> list[str]:
+    lines = ["", f"## (a) Fashion-MNIST, {result['length']}, 2 workers, seed 0", "",
              *_table(result["fashion"], ["strategy", "device", "accuracy", "test_loss",
                                          "versions", "train_s", "wall_s"])]
     by = {(r["strategy"], r["device"]): r for r in result["fashion"]}
@@ -154,35 +171,43 @@ def report(result: dict[str, Any]) -> str:
         if gpu and cpu and gpu is not cpu:
             lines.append(f"\n{strategy}: GPU − CPU accuracy {100 * (gpu['accuracy'] - cpu['accuracy']):+.2f} "
                          f"points, wall time GPU ÷ CPU {gpu['wall_s'] / cpu['wall_s']:.2f}.")
-    s = result["steps"]
+    return lines
+
+
+def _step_lines(s: dict[str, Any]) -> list[str]:
     ratio = statistics.median(r["tensorbus"] / r["ddp"] for r in s["rounds"])
-    lines += ["", f"## (b) Sync step, {s['params']} MLP, batch 64 a worker, every process on {s['device']}",
-              "", f"{s['count']} steps a run, the first quarter not timed; median ms a step, "
-              f"{len(s['rounds'])} rounds in alternating order.", "",
-              "| round | one process | DDP (gloo), 2 ranks | tensorbus sync, 2 workers | tensorbus ÷ DDP |",
-              "|---|---|---|---|---|"]
+    bytes_ratio = statistics.median(r["tensorbus_bytes"] / r["ddp"] for r in s["rounds"])
+    lines = ["", f"## (b) Sync step, {s['params']} MLP, batch 64 a worker, every process on {s['device']}",
+             "", f"{s['count']} steps a run, the first quarter not timed; median ms a step, "
+             f"{len(s['rounds'])} rounds in alternating order.", "",
+             "| round | one process | DDP (gloo), 2 ranks | tensorbus sync, 2 workers | "
+             "tensorbus ÷ DDP | tensorbus, `--no-shared-memory` | its ÷ DDP |",
+             "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(s["rounds"]):
         lines.append(f"| {i + 1} | {r['single'] * 1e3:.2f} | {r['ddp'] * 1e3:.2f} | "
-                     f"{r['tensorbus'] * 1e3:.2f} | {r['tensorbus'] / r['ddp']:.3f} |")
-    lines += ["", f"Median tensorbus ÷ DDP: **{ratio:.3f}**."]
-    c = result.get("copies")
-    if c:
-        mb = c["bytes"] / 1e6
+                     f"{r['tensorbus'] * 1e3:.2f} | {r['tensorbus'] / r['ddp']:.3f} | "
+                     f"{r['tensorbus_bytes'] * 1e3:.2f} | {r['tensorbus_bytes'] / r['ddp']:.3f} |")
+    lines += ["", f"Median tensorbus ÷ DDP: **{ratio:.3f}** (pushes and versions by reference "
+              f"through shared memory, the default on one host); **{bytes_ratio:.3f}** with "
+              "`--no-shared-memory` (every byte over TCP, as between hosts)."]
+    return lines
 
-        def row(name: str, key: str) -> str:
-            return f"| {name} | {c[key] * 1e3:.2f} | {c['bytes'] / c[key] / 1e9:.1f} |"
 
-        lines += ["", f"## (c) A sync step's copies, {mb:.1f} MB each way ({s['params']} MLP)", "",
-                  "| copy | ms | GB/s |", "|---|---|---|",
-                  row("gradients to the host, pinned mirrors (staging on: the worker's way)", "d2h_pinned_s"),
-                  row("gradients to the host, pageable mirrors (staging off)", "d2h_pageable_s"),
-                  row("weights to the device, straight from pageable frames (the worker's way)",
-                      "h2d_pageable_s"),
-                  row("weights to the device, frames copied into pinned memory first (staging on)",
-                      "h2d_through_pinned_s"),
-                  row("(weights to the device from pinned memory, the host copy left out)",
-                      "h2d_from_pinned_s")]
-    return "\n".join(lines) + "\n"
+def _copy_lines(c: dict[str, Any], params: str) -> list[str]:
+    def row(name: str, key: str) -> str:
+        return f"| {name} | {c[key] * 1e3:.2f} | {c['bytes'] / c[key] / 1e9:.1f} |"
+
+    return ["", f"## (c) A sync step's copies, {c['bytes'] / 1e6:.1f} MB each way ({params} MLP)", "",
+            "| copy | ms | GB/s |", "|---|---|---|",
+            row("gradients to the host: pinned mirrors (staging on; the worker's, pushes "
+                "as bytes)", "d2h_pinned_s"),
+            row("gradients to the host: mirrors in shared memory, page-locked (the worker's, "
+                "with a coordinator on its host)", "d2h_shared_s"),
+            row("gradients to the host: pageable mirrors (staging off)", "d2h_pageable_s"),
+            row("weights to the device: frames copied into a pinned buffer, then one copy "
+                "(staging on; the worker's)", "h2d_staged_s"),
+            row("weights to the device: straight from the frames' pageable memory (staging "
+                "off)", "h2d_straight_s")]
 
 
 def main(argv: Sequence[str], meta: Meta) -> None:
@@ -194,34 +219,39 @@ def main(argv: Sequence[str], meta: Meta) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20, help="timed copies of each kind")
     parser.add_argument("--quick", action="store_true", help="(a) under sync alone, with --steps")
+    parser.add_argument("--parts", nargs="+", choices=("a", "b", "c"), default=["b", "c", "a"],
+                        help="which parts, in this order")
     parser.add_argument("--commit", default="", help="the commit measured, where the tree "
-                        "is not a git checkout (a copy on another machine)")
+                        "is not this commit's checkout (a copy on another machine)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device "
                      "here (--device cpu runs a smoke test)")
-    if args.commit and meta.commit.startswith("unknown"):
+    if args.commit:
         meta = dataclasses.replace(meta, commit=args.commit)
-    result: dict[str, Any] = {"device": args.device, "device_words": device_words(args.device),
-                              "fashion": []}
+    result: dict[str, Any] = {"device": args.device, "device_words": device_words(args.device)}
     print(result["device_words"], flush=True)
-    strategies = ("sync",) if args.quick else ("sync", "average")
-    length = ("--steps", str(args.steps)) if args.quick else ("--epochs", "1")
-    result["length"] = " ".join(length)
-    for strategy in strategies:
-        for device in dict.fromkeys((args.device, "cpu")):
-            found = fashion(device, strategy, length)
-            print(json.dumps(found), flush=True)
-            result["fashion"].append(found)
     # One GPU for every process of (b) and (c): cuda:N, or cuda:0 for cuda.
     one = "cuda:0" if args.device == "cuda" else args.device
-    result["steps"] = {"params": args.params, "count": args.steps, "device": one,
-                       "rounds": step_times(one, args.params, args.steps, args.rounds)}
-    if one != "cpu":
-        result["copies"] = copies(one, args.params, args.repeats)
-        print(json.dumps(result["copies"]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_markdown(args.out / "gpu.md", report(result), meta)
-    write_json(args.out / "gpu.json", result, meta)
+    for part in args.parts:
+        if part == "a":
+            strategies = ("sync",) if args.quick else ("sync", "average")
+            length = ("--steps", str(args.steps)) if args.quick else ("--epochs", "1")
+            result["length"], result["fashion"] = " ".join(length), []
+            for strategy in strategies:
+                for device in dict.fromkeys((args.device, "cpu")):
+                    found = fashion(device, strategy, length)
+                    print(json.dumps(found), flush=True)
+                    result["fashion"].append(found)
+        elif part == "b":
+            result["steps"] = {"params": args.params, "count": args.steps, "device": one,
+                               "rounds": step_times(one, args.params, args.steps, args.rounds)}
+        elif one != "cpu":
+            result["copies"] = copies(one, args.params, args.repeats)
+            print(json.dumps(result["copies"]), flush=True)
+        # After each part: a run stopped early keeps what it measured.
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_markdown(args.out / "gpu.md", report(result), meta)
+        write_json(args.out / "gpu.json", result, meta)
     print((args.out / "gpu.md").read_text())

@@ -154,14 +154,15 @@ def local_wall_s(params: str, workers: int, *extra: str, tree: Path = ROOT) -> f
 
 
 def tensorbus_sync(params: str, steps: int, workers: int = 2, compress: str = "",
-                   colocate: bool = False, tree: Path = ROOT, device: str = "cpu") -> float:
+                   colocate: bool = False, tree: Path = ROOT, device: str = "cpu",
+                   extra: tuple[str, ...] = ()) -> float:
     """Seconds per version of `tensorbus local --strategy sync`, batch 64 per worker: with
     one central coordinator, or with `colocate`, a shard in every worker (--colocate);
-    the workers compute on `device`."""
+    the workers compute on `device`; `extra`: more options of local."""
     records = _tensorbus(params, workers, "sync", steps,
                          *(["--compress", compress] if compress else []),
                          *(["--colocate"] if colocate else []),
-                         *(["--device", device] if device != "cpu" else []), tree=tree)
+                         *(["--device", device] if device != "cpu" else []), *extra, tree=tree)
     at = [r["train_s"] for r in records if r["event"] == "step"]
     return _steady([b - a for a, b in itertools.pairwise(at)])
 

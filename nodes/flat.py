@@ -20,13 +20,18 @@ on the wire) keeps two sets of gradient buffers and alternates (`use_grad_sets(2
 
 On a GPU the flat buffers live on the device, and what goes on the wire comes from host
 mirrors in pinned memory (`host_grads`, `host_weights`), made once and filled by `stage`
-with one device-to-host copy per bucket. Received weights are copied from the frames
-straight into the device buffers (host to device, no staging copy of ours). On the CPU
-the mirrors are the buffers themselves and `stage` does nothing.
+with one device-to-host copy per bucket. The gradients' mirrors move into shared memory
+where a coordinator on this host reads pushes by reference (`share_grads`), page-locked
+there too where CUDA allows. Received weights (frames, or a coordinator's shared memory:
+pageable memory, which CUDA copies from in small synchronous pieces, several times slower
+than from pinned memory) are copied into a pinned buffer, then to the device in one copy a
+bucket (`HostStaging`). On the CPU the mirrors are the buffers themselves and `stage` does
+nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
@@ -37,6 +42,8 @@ from tensorbus.bus.layout import Layout, Span
 from tensorbus.bus.pieces import Received, copy_into
 from tensorbus.nodes.model_buffers import ModelBuffers, carried
 
+log = logging.getLogger("tensorbus.worker")
+_PORTABLE = 1  # cudaHostRegisterPortable: locked for every CUDA context, not only the caller's
 OnReady = Callable[[int], None]
 Allocate = Callable[[Sequence[tuple[int, torch.dtype]]], tuple[torch.Tensor, ...]]
 
@@ -59,6 +66,7 @@ class FlatModel:
         self.host_grad_sets: list[tuple[torch.Tensor, ...]] = []
         self._grad_views: list[list[torch.Tensor]] = []
         self._allocate_grads: Allocate | None = None  # see share_grads
+        self._staging = HostStaging(pinned=pinned)  # what load copies through, on a GPU
         self.use_grad_sets(1)
         self.current = 0  # the gradient set the next backward fills
         with torch.no_grad():
@@ -96,29 +104,46 @@ class FlatModel:
         if count not in (1, 2):
             raise ValueError(f"1 or 2 gradient sets, not {count}")
         while len(self._grad_sets) < count:
-            grads = self._new_grad_set(first=not self._grad_sets)
+            first = not self._grad_sets
+            if self.device.type == "cpu":
+                grads = host = self._new_host_set(first=first)
+            else:
+                grads, host = self._allocate(self.device), self._new_host_set(first=first)
             self._grad_sets.append(grads)
-            on_cpu = self.device.type == "cpu"
-            self.host_grad_sets.append(grads if on_cpu else self._allocate(None, pin=self._pinned))
+            self.host_grad_sets.append(host)
             self._grad_views.append(self.layout.views(grads))
 
-    def _new_grad_set(self, *, first: bool) -> tuple[torch.Tensor, ...]:
+    def _new_host_set(self, *, first: bool) -> tuple[torch.Tensor, ...]:
+        """A set of the buffers pushes are sent from: `share_grads`'s where it was called,
+        else private ones (the gradient set itself on the CPU, a pinned mirror on a GPU)."""
         if self._allocate_grads is None:
-            return self._allocate(self.device)
+            return self._allocate(None, pin=self._pinned and self.device.type != "cpu")
         try:
-            return self._allocate_grads([(b.numel, b.dtype) for b in self.layout.buckets])
+            made = self._allocate_grads([(b.numel, b.dtype) for b in self.layout.buckets])
         except OSError:
             if first:
                 raise  # (share_grads then leaves the sets as they were)
             # A second set is async's: pushes from a private one carry their bytes.
-            return self._allocate(self.device)
+            return self._allocate(None, pin=self._pinned and self.device.type != "cpu")
+        if self.device.type != "cpu" and self._pinned:
+            _page_lock(made)
+        return made
 
     def share_grads(self, allocate: Allocate) -> None:
-        """Keep the gradient sets in buffers that `allocate` makes from (numel, dtype) pairs
-        (shared memory: bus.shared), these and any made later; on the CPU only. Raises what
-        `allocate` raises (OSError), and then the sets are as they were."""
+        """Keep the buffers that pushes are sent from (the gradient sets on the CPU, their
+        host mirrors on a GPU) in buffers that `allocate` makes from (numel, dtype) pairs
+        (shared memory: bus.shared), these and any made later. Raises what `allocate`
+        raises (OSError), and then the sets are as they were."""
         if self.device.type != "cpu":
-            raise ValueError("shared gradient buffers are for a model on the CPU")
+            kept_hosts = self.host_grad_sets
+            self._allocate_grads = allocate
+            try:
+                self.host_grad_sets = [self._new_host_set(first=i == 0)
+                                       for i in range(len(self._grad_sets))]
+            except BaseException:
+                self.host_grad_sets, self._allocate_grads = kept_hosts, None
+                raise
+            return
         count, kept = len(self._grad_sets), (self._grad_sets, self.host_grad_sets, self._grad_views)
         self._grad_sets, self.host_grad_sets, self._grad_views = [], [], []
         self._allocate_grads = allocate
@@ -233,11 +258,11 @@ class FlatModel:
         self.weights = self.host_weights = weights
 
     def load(self, weights: Sequence[Received]) -> None:
-        """Overwrite the weights with received buffers (one copy, straight from the frames)."""
+        """Overwrite the weights with received buffers: on the CPU one copy, straight from
+        the frames; on a GPU through pinned memory (HostStaging)."""
         self.layout.check([(t.dtype, tuple(t.shape)) for t in weights])
         with torch.no_grad():
-            for dst, src in zip(self.weights, weights, strict=True):
-                copy_into(dst, src)
+            self._staging.load(self.weights, weights)
 
     def stage(self, *, weights: bool, spans: Sequence[Span] | None = None) -> None:
         """Copy the gradients (or, with `weights`, the weights) to their host mirrors, to be
@@ -255,3 +280,57 @@ class FlatModel:
                     mirror[s.bucket][s.start:s.stop].copy_(source[s.bucket][s.start:s.stop],
                                                            non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
+
+
+class HostStaging:
+    """Received tensors copied onto the device through pinned host buffers.
+
+    What arrives lies in pageable memory (ZeroMQ's frames, or a coordinator's shared
+    memory), which CUDA copies from in small synchronous pieces, several times slower than
+    from pinned memory (benchmarks/gpu.py measures both): gathered into pinned buffers
+    first, the bytes then go to the device in one copy a buffer. On the CPU it is one copy,
+    straight from where they lie.
+    """
+
+    def __init__(self, *, pinned: bool = True) -> None:
+        self._pinned = pinned
+        self._buffers: tuple[torch.Tensor, ...] = ()  # made at the first load onto a device
+
+    def load(self, destinations: Sequence[torch.Tensor], received: Sequence[Received]) -> None:
+        """destinations[i][:] = received[i], for 1-D destinations of the same sizes."""
+        if not destinations or destinations[0].device.type == "cpu":
+            for dst, src in zip(destinations, received, strict=True):
+                copy_into(dst, src)
+            return
+        if [(b.dtype, b.numel()) for b in self._buffers] != [(d.dtype, d.numel()) for d in destinations]:
+            self._buffers = tuple(torch.empty(d.numel(), dtype=d.dtype, pin_memory=self._pinned)
+                                  for d in destinations)
+        for staging, src in zip(self._buffers, received, strict=True):
+            copy_into(staging, src)
+        for dst, staging in zip(destinations, self._buffers, strict=True):
+            dst.copy_(staging, non_blocking=True)
+        # (The buffers are written again by the next load.)
+        torch.cuda.current_stream(destinations[0].device).synchronize()
+
+
+def _page_lock(buffers: Sequence[torch.Tensor]) -> None:
+    """Page-lock host buffers that were made elsewhere (shared memory: one segment a set,
+    so the span from the first to the end of the last, in one registration), so that copies
+    from the device reach them at the speed of pinned memory, from every GPU (portable).
+    Where CUDA refuses, they stay pageable: slower, and as correct. They stay locked while
+    the process lives (the shared memory they lie in stays mapped that long: bus.shared)."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
+    first, end = min(s for s, _ in spans), max(e for _, e in spans)
+    if end <= first:
+        return
+    cudart = torch.cuda.cudart()
+    locked: list[bool] = []
+    # In a thread of its own: a refusal leaves CUDA's last error set in the thread that
+    # asked, where torch's next check of a kernel launch would raise it. That thread ends.
+    asker = threading.Thread(target=lambda: locked.append(
+        cudart.cudaHostRegister(first, end - first, _PORTABLE) == cudart.cudaError.success),
+        name="tensorbus-page-lock")
+    asker.start()
+    asker.join()
+    if not (locked and locked[0]):
+        log.info("gradient mirrors in shared memory stay pageable: CUDA would not lock them")

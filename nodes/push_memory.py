@@ -24,7 +24,8 @@ log = logging.getLogger("tensorbus.worker")
 
 class PushMemory:
     def __init__(self, *, enabled: bool) -> None:
-        """`enabled`: shared memory asked for, on a CPU worker."""
+        """`enabled`: shared memory asked for (on a GPU, the gradients' host mirrors go
+        there: nodes.flat)."""
         self._host_token = _host_token() if enabled else None
         # The gradient sets in shared memory, once a coordinator on this host takes them by
         # reference; None: not yet, or not possible here (`gradients`).

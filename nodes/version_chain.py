@@ -27,9 +27,9 @@ import torch
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Layout
 from tensorbus.bus.messages import Changes, Message, Pull, Weights, Welcome
-from tensorbus.bus.pieces import copy_into
 from tensorbus.bus.shared import SegmentCache
 from tensorbus.nodes import changes as changed
+from tensorbus.nodes.flat import HostStaging
 from tensorbus.nodes.liveness import Liveness, Owner, Stopped
 from tensorbus.nodes.model_buffers import ModelBuffers
 
@@ -74,6 +74,7 @@ class VersionChain:
         the buffers published with the weights are loaded (None: not by this link)."""
         self.layout = layout
         self._weights = weights
+        self._staging = HostStaging()  # (on a GPU: what loads go through)
         self._owner = owner
         self._peer = peer
         self._liveness = liveness
@@ -103,8 +104,9 @@ class VersionChain:
     # Loading -------------------------------------------------------------------------------
 
     def load(self, weights: Weights | Welcome | PendingVersion) -> None:
-        """Copy received weights into this shard's part of the model (one copy, straight
-        from the frames), then write the Changes after them, and take their version."""
+        """Copy received weights into this shard's part of the model (on the CPU one copy,
+        straight from the frames; on a GPU through pinned memory: nodes.flat.HostStaging),
+        then write the Changes after them, and take their version."""
         if isinstance(weights, PendingVersion):
             if weights.weights is not None:
                 self.load(weights.weights)
@@ -115,8 +117,7 @@ class VersionChain:
             return
         self.layout.check([(t.dtype, tuple(t.shape)) for t in weights.tensors])
         with torch.no_grad():
-            for dst, src in zip(self._weights, weights.tensors, strict=True):
-                copy_into(dst, src)
+            self._staging.load(self._weights, weights.tensors)
         self._load_buffers(weights)
         self.version = weights.version
 

@@ -116,7 +116,7 @@ class Worker:
         self.rejoins = 0
         self.last_loss: float | None = None
         self.lrs = ""  # what pushes say of a script's learning rates (nodes.own_loop)
-        self._push_memory = PushMemory(enabled=config.shared_memory and self.device.type == "cpu")
+        self._push_memory = PushMemory(enabled=config.shared_memory)
         # One link a coordinator shard, each owning its range of the flat parameters (the
         # whole model when there is one coordinator).
         count = len(config.endpoints)

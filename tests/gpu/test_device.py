@@ -9,15 +9,17 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from tensorbus.bus.shared import SharedAllocator
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.run.device import resolve
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(200)
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="no CUDA device here: the GPU path needs one (torch "
@@ -80,20 +82,54 @@ def test_the_flat_model_on_a_gpu_stages_through_pinned_memory() -> None:
 
 
 @CUDA
-def test_local_trains_on_the_gpu() -> None:
+def test_on_a_gpu_the_pushed_mirrors_move_into_shared_memory() -> None:
+    """A coordinator on this host reads pushes by reference: on a GPU what is pushed is the
+    gradients' host mirrors, which move into shared memory, page-locked there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    flat = FlatModel(model, "cuda:0")
+    shm = SharedAllocator()
+    try:
+        flat.share_grads(shm.allocate)
+        flat.use_grad_sets(2)  # (async's second set goes there too)
+        for _ in range(2):
+            assert all(shm.locate(h) is not None and h.is_pinned() for h in flat.host_grads)
+            assert all(g.is_cuda for g in flat.grads)
+            flat.begin_backward()
+            model(torch.randn(5, 8, device="cuda:0")).sum().backward()
+            flat.gather_grads()
+            flat.stage(weights=False)
+            for host, dev in zip(flat.host_grads, flat.grads, strict=True):
+                assert torch.equal(host, dev.cpu())
+            flat.swap()
+    finally:
+        shm.close()
+
+
+def _local(*options: str, tmp: Path) -> dict[str, Any]:
+    """The summary of `local examples/digits.py` on 2 workers for 20 steps, with `options`."""
+    metrics = tmp / f"m{len(list(tmp.iterdir()))}.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorbus", "local", str(ROOT / "examples" / "digits.py"),
+         "--workers", "2", "--steps", "20", "--threads", "1", "--no-progress", "--metrics",
+         str(metrics), *options], cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary: dict[str, Any] = json.loads(metrics.read_text().splitlines()[-1])
+    return summary
+
+
+@CUDA
+def test_local_trains_on_the_gpu(tmp_path: Path) -> None:
     """The issue's command, on the digits: 2 workers on CUDA, the same answer as the CPU's
-    up to float differences of the device."""
-    figures = []
-    for device in ("cpu", "cuda"):
-        done = subprocess.run(
-            [sys.executable, "-m", "tensorbus", "local", str(ROOT / "examples" / "digits.py"),
-             "--workers", "2", "--steps", "20", "--threads", "1", "--no-progress",
-             "--device", device], cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
-        assert done.returncode == 0, done.stderr[-2000:]
-        figures.append(json.loads(done.stdout[done.stdout.index("{"):]))
-    cpu, gpu = figures
-    assert gpu["steps"] == 20
-    assert gpu["test_loss"] == pytest.approx(cpu["test_loss"], abs=1e-3)
+    up to float differences of the device; pushes by reference through shared memory, or
+    as bytes without it."""
+    cpu = _local("--device", "cpu", tmp=tmp_path)
+    shared = _local("--device", "cuda", tmp=tmp_path)
+    private = _local("--device", "cuda", "--no-shared-memory", tmp=tmp_path)
+    for gpu, by_reference in ((shared, 20), (private, 0)):
+        assert gpu["steps"] == 20
+        assert gpu["test_loss"] == pytest.approx(cpu["test_loss"], abs=1e-3)
+        assert [w["by_reference"] for w in gpu["per_worker"].values()] == [by_reference] * 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: nothing to refuse")
