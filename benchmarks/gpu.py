@@ -164,7 +164,9 @@ def report(result: dict[str, Any]) -> str:
 def _fashion_lines(result: dict[str, Any]) -> list[str]:
     lines = ["", f"## (a) Fashion-MNIST, {result['length']}, 2 workers, seed 0", "",
              *_table(result["fashion"], ["strategy", "device", "accuracy", "test_loss",
-                                         "versions", "train_s", "wall_s"])]
+                                         "versions", "train_s", "wall_s"]),
+             "", "train_s: the summary's `wall_s` (the run, from its coordinator's start); "
+             "wall_s: the whole command, start-up included."]
     by = {(r["strategy"], r["device"]): r for r in result["fashion"]}
     for strategy in ("sync", "average"):
         gpu, cpu = by.get((strategy, result["device"])), by.get((strategy, "cpu"))
