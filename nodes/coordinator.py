@@ -19,12 +19,12 @@ own lives in its module, decides and records, and never touches a socket:
 - nodes.run_checkpoints, nodes.run_length, nodes.evalpoints: checkpoints, the run's
   length and each rank's data position, the copies evaluated after training.
 
-What is left here (about 30 methods, 740 lines) is what needs several parts at once:
-receiving and answering, carrying out the strategy's decisions, the tick, a worker's
+What is left here, past the size the other modules keep, is what needs several parts at
+once: receiving and answering, carrying out the strategy's decisions, the tick, a worker's
 departure, and the run's start and end. Split further, each of these would reach into
 most parts through callbacks, and the order of their effects (a step, then its metrics,
 then its broadcast, then a stop) would no longer be read in one place. A relay
-(nodes.relay) subclasses it and overrides `_update` only.
+(nodes.relay) holds one and gives it its next versions (nodes.next_version).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ from tensorbus.nodes.master import Master, shared_weight_pool, version_sets
 from tensorbus.nodes.membership import Member, Membership
 from tensorbus.nodes.metrics import Metrics
 from tensorbus.nodes.model_buffers import ServedBuffers
+from tensorbus.nodes.next_version import NextVersion, NoNextVersion
 from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.nodes.parking import Parking
 from tensorbus.nodes.publisher import Publisher
@@ -136,15 +137,6 @@ class Progress:
 
 
 class Coordinator:
-    # The published snapshot is the master weights' own buffer set (no copy), which is then
-    # never written in place (nodes.master). A relay loads its root's weights into its
-    # master through a Link that holds those buffers, so it copies instead (Master.alias).
-    _ALIAS = True
-    # The buffers it publishes are its workers' combination (a relay's: its root's).
-    _RELAY = False
-    # It steps the master weights with an optimizer (a relay takes means: its root steps).
-    _STEPS = True
-
     def __init__(
         self,
         *,
@@ -162,6 +154,7 @@ class Coordinator:
         clock: Clock = SYSTEM_CLOCK,
         scheduler: SchedulerFactory | None = None,
         server: ServerTransport | None = None,
+        next_version: NextVersion | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
         (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
@@ -173,7 +166,9 @@ class Coordinator:
         for every deadline and record (bus.clock). `scheduler`: the SPEC's, stepped here on
         the optimizer that steps the versions (nodes.schedules); under average each worker
         steps its own, and it is not used here. `server`: sockets bound already, to
-        serve on (nodes.serving), in place of binding `config.bind`."""
+        serve on (nodes.serving), in place of binding `config.bind`. `next_version`: where
+        each next version comes from, in place of an optimizer step here (a relay's: see
+        nodes.next_version for what that changes)."""
         if isinstance(model, ShardModel) and (config.eval_every_s or config.eval_every_epochs):
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
@@ -185,6 +180,7 @@ class Coordinator:
         self.model = model
         self.strategy = strategy
         self.config = config
+        self._next_version = next_version
         self._own_optimizer = optimizer is not None  # the SPEC's: --lr does not set its lr
         self._clock = clock
         self.flat = FlatModel(model)
@@ -212,9 +208,11 @@ class Coordinator:
         self._shared_pool = shared_pool if pool is not None else shared_weight_pool(config)
         sets = pool if pool is not None else version_sets(self.flat.layout, self._shared_pool)
         stepped = (master_optimizer(model.parameters(), strategy, optimizer, lr)
-                   if self._STEPS else None)
+                   if next_version is None else None)
+        # The published snapshot is the master's own buffer set (no copy), never written in
+        # place after (nodes.master), unless versions come from elsewhere: then copies.
         self.master = Master(self.flat, stepped, sets, compression=compression,
-                             weights_pushed=weights_pushed, alias=self._ALIAS,
+                             weights_pushed=weights_pushed, alias=next_version is None,
                              clip_grad_norm=config.clip_grad_norm)
         if pool is not None:  # every version is made in the given pool's sets, the first too
             self.flat.rebind(self.master.copy())
@@ -230,7 +228,7 @@ class Coordinator:
         self._errors: list[str] = []  # why workers left with an error, for the final message
         self._background: asyncio.Task[None] | None = None  # a stop under way
         # The model's buffers: each worker's newest, and what goes out with the weights.
-        self._buffers = ServedBuffers(self.flat.model_buffers, relay=self._RELAY)
+        self._buffers = ServedBuffers(self.flat.model_buffers, relay=next_version is not None)
         self.metrics = Metrics(config.metrics, strategy=strategy.name, workers=strategy.workers,
                                append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
@@ -268,6 +266,29 @@ class Coordinator:
         if not self._serving.server.inproc_endpoint:
             raise RuntimeError("the coordinator is not bound with a hub: give it hub= and bind()")
         return self._serving.server.inproc_endpoint
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the run is stopping or stopped."""
+        return self._ending.stopping
+
+    def place(self, *, first_rank: int, world_size: int, batch_size: int) -> None:
+        """Serve ranks first_rank.. of `world_size` data shards, of `batch_size` samples a
+        batch, where these are known only once the run is under way elsewhere (a relay
+        learns them as its root welcomes it); before `run`."""
+        self.config = dataclasses.replace(self.config, first_rank=first_rank,
+                                          world_size=world_size, batch_size=batch_size)
+        self._members = Membership(self._members.size, first_rank=first_rank, world_size=world_size)
+
+    def combined_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The model's buffers combined from the workers' newest (a relay's, to go up with
+        its update: nodes.model_buffers.ServedBuffers.upstream)."""
+        return self._buffers.upstream()
+
+    def close(self) -> None:
+        """Close the sockets of a coordinator bound and never run (`run` closes its own)."""
+        if self._serving.bound:
+            self._serving.close()
 
     def bind(self) -> str:
         """Bind the sockets now (so that the endpoint is known); `run` binds if not done."""
@@ -536,7 +557,7 @@ class Coordinator:
         if diverged is None:
             return
         bad, waiting = diverged
-        await self._fail(Diverged(
+        await self.fail(Diverged(
             ranks=bad, window=DIVERGED_AFTER, waiting=waiting,
             version=self.version if self.state is State.TRAINING else None,
             lr="the lr of the SPEC's optimizer()" if self._own_optimizer else "--lr",
@@ -579,13 +600,20 @@ class Coordinator:
         # A script's own loop steps its scheduler on its optimizer; ours follows it.
         follow_lrs(self.master.optimizer, next((h.lrs for h in held if h.lrs), ""))
         started = self._clock.wall()
-        await self._update([h.tensors for h in held], decision.scale,
-                           loss=sum(h.loss for h in held) / len(held),
-                           samples=sum(h.samples for h in held), ranks=decision.workers)
-        for h in held:
-            h.tensors = ()  # reduced: let go of the frames (see _receive)
+        try:
+            await self._update([h.tensors for h in held], decision.scale,
+                               loss=sum(h.loss for h in held) / len(held),
+                               samples=sum(h.samples for h in held), ranks=decision.workers)
+        except NoNextVersion as e:
+            if e.failure is not None:  # (not fail(): it waits for the step lock held here)
+                self._ending.fail(e.failure)
+            await self._stop(e.failure or e.why)
+            return
+        finally:
+            for h in held:
+                h.tensors = ()  # reduced: let go of the frames (see _receive)
         if self.state is State.STOPPING:
-            return  # a relay whose upstream stopped while it waited: no new version
+            return  # stopped while the next version was awaited (a relay's): none made
         self.watch.span("apply", started, version=self.version + 1, workers=list(decision.workers))
         staleness = self.version - decision.version
         self.version += 1
@@ -635,10 +663,12 @@ class Coordinator:
         self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int,
         ranks: Sequence[int] = (),
     ) -> None:
-        """Make the next version of the weights from these updates: here, one optimizer
-        step (nodes.stepping); a relay (nodes.relay) sends their mean upstream instead, and
-        this is the one method it overrides."""
-        await self.stepper.step(updates, scale, ranks=ranks)
+        """Make the next version of the weights from these updates: one optimizer step
+        (nodes.stepping), or what `next_version` makes of them (a relay's)."""
+        if self._next_version is None:
+            await self.stepper.step(updates, scale, ranks=ranks)
+        else:
+            await self._next_version(updates, scale, loss=loss, samples=samples, ranks=ranks)
 
     async def _know_length(self) -> None:
         """Fix the run's length once every shard's is known, and answer the updates
@@ -677,12 +707,12 @@ class Coordinator:
         if self.state is State.STARTING and now - self._started_at > self.config.join_timeout_s:
             waited = self.config.join_timeout_s
             if len(self._members) < self.strategy.workers:
-                await self._fail(JoinTimedOut(
+                await self.fail(JoinTimedOut(
                     joined=len(self._members), wanted=self.strategy.workers, waited_s=waited,
                     endpoint=self.endpoint, refused=self.metrics.rejected["handshake"],
                     lost_early=tuple(w["rank"] for w in self.metrics.lost)))
             else:  # all here, and yet no first version
-                await self._fail(NoVersionMade(waited_s=waited, dropped=dict(self.metrics.dropped)))
+                await self.fail(NoVersionMade(waited_s=waited, dropped=dict(self.metrics.dropped)))
         await self._check_minimum()
         if self.state is State.STOPPING and (len(self._members) == 0 or now > self._ending.deadline):
             if len(self._members):
@@ -693,13 +723,13 @@ class Coordinator:
         """Fail the run if fewer workers than the minimum are left in it: at once, as the
         one that leaves goes (a checkpoint then holds the last version of enough workers)."""
         if self.state is State.TRAINING and len(self._members) < self.config.min_workers:
-            await self._fail(TooFewWorkers(
+            await self.fail(TooFewWorkers(
                 live=len(self._members), minimum=self.config.min_workers, version=self.version,
                 why="; ".join(self._errors) or "the others left or went silent",
                 lost=tuple(f"{w['rank']} (at version {w['version']}, {w['phase']})"
                            for w in self.metrics.lost)))
 
-    async def _fail(self, why: str | TrainingError) -> None:
+    async def fail(self, why: str | TrainingError) -> None:
         """End the run with an error: checkpoint (to resume once workers are back), tell the
         workers to stop (so that none waits to reconnect to a coordinator that is not coming
         back), let them leave, then `run` raises TrainingError with `why` (said once, by

@@ -40,6 +40,11 @@ class Membership:
     def __len__(self) -> int:
         return len(self._by_rank)
 
+    @property
+    def size(self) -> int:
+        """How many ranks exist here (members or not)."""
+        return len(self._ranks)
+
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self._by_rank.values()))
 

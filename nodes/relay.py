@@ -17,6 +17,10 @@ reads its own shard, as in the flat run. The root's batch size is the workers' b
 The run ends when the root stops: the relay then stops its workers and returns its summary.
 A relay needs the root to count --steps (a relay does not know its workers' data sizes when
 it says Ready upstream, so the root cannot turn --epochs into samples).
+
+A relay holds a Coordinator for its workers and gives it its next versions (nodes.next_version:
+`_send_up`), using only the coordinator's public calls; to its root it is a worker, the owner
+of an upstream Link.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 from torch import nn
 
 from tensorbus.bus.buffers import Tracker, wait_sent
+from tensorbus.bus.clock import SYSTEM_CLOCK, Clock
 from tensorbus.bus.errors import RejectedError
 from tensorbus.bus.messages import Ack, Phase, Push, Ready, RejectCode
 from tensorbus.bus.pieces import Received
@@ -38,24 +43,20 @@ from tensorbus.bus.security import ClientKeys
 from tensorbus.nodes.config import CoordinatorConfig
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.nodes.link import Link, Stopped
-from tensorbus.nodes.membership import Membership
+from tensorbus.nodes.next_version import NoNextVersion
 from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.strategies.base import PushKind, Strategy, Wait
 
 log = logging.getLogger("tensorbus.relay")
 
 
-class Relay(Coordinator):
+class Relay:
     """Serve local workers with `strategy` and forward each of its updates to `upstream`.
 
     `config` is the local side's (bind, heartbeats, timeouts, ...); its steps, epochs and
     batch size are set by the root. The model only lays out the tensors: the root's
     weights replace its initial ones when the relay joins.
     """
-
-    _ALIAS = False  # its upstream Link loads into the master's buffers: publish copies
-    _RELAY = True  # it publishes its root's buffers, and sends its workers' combination up
-    _STEPS = False  # the root steps; here only means are taken
 
     def __init__(
         self,
@@ -68,52 +69,63 @@ class Relay(Coordinator):
         request_timeout_s: float = 10.0,
         optimizer: OptimizerFactory | None = None,
         on_step: Callable[[Progress], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if config.checkpoint_dir is not None or config.eval_every_s is not None:
             raise ValueError("a relay holds no state of its own to checkpoint or evaluate: the "
                              "root does; give those options to the root")
         # Until the root stops: the root counts versions (see the module's docstring).
         config = replace(config, steps=sys.maxsize, epochs=None)
-        super().__init__(model=model, strategy=strategy, config=config, optimizer=optimizer,
-                         on_step=on_step)
+        self.coordinator = Coordinator(model=model, strategy=strategy, config=config,
+                                       optimizer=optimizer, on_step=on_step, clock=clock,
+                                       next_version=self._send_up)
+        self._clock = clock
         self.rank = -1  # upstream
         self.phase = Phase.JOINING  # upstream, as a worker of the root
         self.clock = 0
         # The root's buffers are loaded into our model's, and published to our workers as
         # they are; our workers' combination goes to the root with our updates.
-        self._upstream = Link(upstream, self.flat.layout.shard(0, 1), self.flat.weights, self,
+        flat = self.coordinator.flat
+        self._upstream = Link(upstream, flat.layout.shard(0, 1), flat.weights, self,
                               request_timeout_s=request_timeout_s, keys=keys,
-                              model_buffers=self.flat.model_buffers or None)
+                              model_buffers=flat.model_buffers or None)
         self._upstream_wait = Wait.NEWER
         self._ready: asyncio.Task[Any] | None = None
         self._sent: Tracker | None = None
         self._lost: asyncio.Future[Exception] | None = None
 
+    def bind(self) -> str:
+        """Bind the local sockets now (so that the endpoint is known); `run` binds if not done."""
+        return self.coordinator.bind()
+
+    def request_stop(self, why: str) -> None:
+        """Stop gracefully (for SIGTERM or Ctrl-C): the local run stops; the root goes on."""
+        self.coordinator.request_stop(why)
+
     async def run(self, *, before_evaluate: Any = None) -> dict[str, Any]:
         """Join the root, then serve the local workers until the root stops."""
-        link = self._upstream
+        coordinator, link = self.coordinator, self._upstream
         link.open()
         self._lost = asyncio.get_running_loop().create_future()
         helpers: list[asyncio.Task[Any]] = []
         served = False
         try:
-            welcome = await link.join(self.rank, self.config.join_timeout_s, "join", any_rank=False)
+            welcome = await link.join(self.rank, coordinator.config.join_timeout_s, "join",
+                                      any_rank=False)
             self.rank = welcome.rank
-            if PushKind(welcome.push) is not self.strategy.rhythm.push:
+            if PushKind(welcome.push) is not coordinator.strategy.rhythm.push:
                 raise RejectedError(RejectCode.UNEXPECTED.value, (
                     f"the root's workers push {welcome.push} and this relay's strategy "
-                    f"({self.strategy.name}) pushes {self.strategy.rhythm.push.value}: give the "
-                    "relay sync under a sync, ssp or async root, average under an average root"))
-            size = self.config.max_workers or self.strategy.workers
-            self.config = replace(self.config, batch_size=welcome.batch_size,
-                                  first_rank=self.rank * size,
-                                  world_size=welcome.world_size * size)
-            self._members = Membership(size, first_rank=self.config.first_rank,
-                                       world_size=self.config.world_size)
+                    f"({coordinator.strategy.name}) pushes "
+                    f"{coordinator.strategy.rhythm.push.value}: give the relay sync under a "
+                    "sync, ssp or async root, average under an average root"))
+            size = coordinator.config.max_workers or coordinator.strategy.workers
+            coordinator.place(first_rank=self.rank * size, world_size=welcome.world_size * size,
+                              batch_size=welcome.batch_size)
             self._upstream_wait = Wait(welcome.wait)
             log.info("relay joined the root as worker %d of %d at version %d; serving ranks "
                      "%d..%d", self.rank, welcome.world_size, link.version,
-                     self.config.first_rank, self.config.first_rank + size - 1)
+                     self.rank * size, self.rank * size + size - 1)
             helpers = [asyncio.create_task(c) for c in link.session()]
             helpers.append(asyncio.create_task(self._follow()))
             # Counted in at the root's start gate at once; the first forward waits for it.
@@ -121,10 +133,10 @@ class Relay(Coordinator):
                 Ready(sender=self.rank, version=link.version, batches=-2), patient=True))
             self.phase = Phase.COMPUTING
             served = True  # run() closes the local sockets
-            return await super().run(before_evaluate=before_evaluate)
+            return await coordinator.run(before_evaluate=before_evaluate)
         finally:
-            if not served and self._serving.bound:
-                self._serving.close()
+            if not served:
+                coordinator.close()
             for task in (*helpers, *([self._ready] if self._ready else [])):
                 task.cancel()
             await asyncio.gather(*helpers, *([self._ready] if self._ready else []),
@@ -146,36 +158,37 @@ class Relay(Coordinator):
         assert self._lost is not None
         while True:
             if self._lost.done():
-                await self._fail(f"relay {self.rank}: {self._lost.result()}")
+                await self.coordinator.fail(f"relay {self.rank}: {self._lost.result()}")
                 return
             if self._upstream.stopped:
                 failure = self._root_failure()
-                if failure is not None and not self._ending.stopping:
+                if failure is not None and not self.coordinator.stopping:
                     # The root's failure is the tree's: said to our workers, and raised.
-                    await self._fail(failure)
+                    await self.coordinator.fail(failure)
                 else:
-                    self.request_stop("the root stopped")
+                    self.coordinator.request_stop("the root stopped")
                 return
             await asyncio.sleep(self._upstream.heartbeat_s)
 
-    async def _update(
+    async def _send_up(
         self, updates: list[tuple[Received, ...]], scale: float, *, loss: float, samples: int,
-        ranks: Sequence[int] = (),
+        ranks: Sequence[int],
     ) -> None:
-        """The mean of the local updates goes to the root as one update; the root's next
-        version (the one with it, where the root's strategy waits for it) comes back."""
-        link = self._upstream
+        """The coordinator's next version (nodes.next_version): the mean of the local
+        updates goes to the root as one update; the root's next version (the one with it,
+        where the root's strategy waits for it) comes back into the master's weights."""
+        link, coordinator = self._upstream, self.coordinator
         try:
             if self._ready is not None:
                 await self._ready
             await wait_sent(self._sent, timeout=link.timeout_s, what="the last update")
             link.versions.load_latest()
-            await asyncio.to_thread(self.master.mean, updates, scale)
+            await asyncio.to_thread(coordinator.master.mean, updates, scale)
             computed_on = link.version
             self.phase = Phase.PUSHING
             push = Push(sender=self.rank, version=computed_on, clock=self.clock, loss=loss,
-                        samples=samples, tensors=self.flat.grads, began=self._clock.wall(),
-                        state=self._buffers.upstream())
+                        samples=samples, tensors=coordinator.flat.grads, began=self._clock.wall(),
+                        state=coordinator.combined_buffers())
             self.clock += 1
             ack, self._sent = await link.request_tracked(push, patient=True)
             self.phase = Phase.WAITING
@@ -188,13 +201,10 @@ class Relay(Coordinator):
                 await link.versions.await_version(newer_than=computed_on)
             elif ack.version > link.version:
                 await link.versions.await_version(newer_than=ack.version - 1)
-            link.versions.load_latest()  # into self.flat.weights: what the next publish sends
+            link.versions.load_latest()  # into the master's weights: what the next publish sends
             self.phase = Phase.COMPUTING
         except Stopped:
-            failure = self._root_failure()
-            if failure is not None:  # (not _fail: it waits for the step lock we hold)
-                self._ending.fail(failure)
-            await self._stop(failure or "the root stopped")
+            raise NoNextVersion("the root stopped", self._root_failure()) from None
 
     def _root_failure(self) -> str | None:
         """Why the root's run failed, if it said so as it stopped."""

@@ -124,8 +124,10 @@ def test_a_relay_steps_nothing_whatever_optimizer_it_is_given() -> None:
     SGD steps of its own, by nodes.master's reading of it)."""
     relay = Relay(model=digits.model(), strategy=Sync(workers=1), optimizer=sgd,
                   config=CoordinatorConfig(steps=1), upstream="tcp://127.0.0.1:1")
-    assert relay.optimizer is None and relay.master.optimizer is None
-    assert relay.master.plain_lr() is None and not relay.master.into_spare(None)
+    coordinator = relay.coordinator
+    assert coordinator.optimizer is None and coordinator.master.optimizer is None
+    assert coordinator.master.plain_lr() is None and not coordinator.master.into_spare(None)
+    assert not coordinator.master.alias  # (its root's weights load into the master: copies go out)
 
 
 def test_a_root_that_fails_fails_its_relays_and_their_workers() -> None:
@@ -141,7 +143,7 @@ def test_a_root_that_fails_fails_its_relays_and_their_workers() -> None:
         running = [asyncio.create_task(node.run()) for node in (root, *tree, *workers)]
         while root.version < 3:
             await asyncio.sleep(0.02)
-        await root._fail("a failure made by the test")
+        await root.fail("a failure made by the test")
         return await asyncio.gather(*running, return_exceptions=True)
 
     root, *rest = asyncio.run(train())
