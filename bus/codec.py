@@ -47,7 +47,7 @@ from tensorbus.bus.errors import (
     quote,
 )
 from tensorbus.bus.layout import Layout
-from tensorbus.bus.messages import PROTOCOL_VERSION, SCHEMA, Kind, Message
+from tensorbus.bus.messages import MOST_TENSORS, PROTOCOL_VERSION, SCHEMA, Kind, Message
 from tensorbus.bus.pieces import Pieces, Received
 from tensorbus.bus.shared import Ref, SegmentCache, SharedTensorError
 
@@ -67,7 +67,7 @@ DTYPES: Final[dict[str, torch.dtype]] = {
 DTYPE_NAMES: Final[dict[torch.dtype, str]] = {v: k for k, v in DTYPES.items()}
 
 MAX_HEADER_BYTES: Final = 64 * 1024
-MAX_TENSORS: Final = 64
+MAX_TENSORS: Final = Message.MAX_TENSORS  # a message's, unless its kind says more
 # Frames of this size keep ZeroMQ over tcp near its best (benchmarks/bench.py, part a).
 CHUNK_BYTES: Final = 1 << 20
 # A peer may cut finer, but not so fine that a message becomes millions of frames.
@@ -77,6 +77,9 @@ MIN_CHUNK_BYTES: Final = 4096
 SMALL_FRAME: Final = 1 << 16
 MAX_FRAMES: Final = 1 << 16
 MAX_DIMS: Final = 8
+# The longest array a header may hold, past which it is not read at all: twice the most
+# tensors of any kind (a longer tensor list is refused after, with its count and limit).
+MAX_ARRAY: Final = max(MAX_TENSORS * (MAX_DIMS + 3), 2 * MOST_TENSORS)
 MAX_STRING: Final = 4096
 DEFAULT_MAX_MESSAGE_BYTES: Final = 4 << 30
 _HEADER_KEYS: Final = frozenset("pksrvtf")
@@ -180,7 +183,7 @@ def _decode(
         "version": _int(header, "v", minimum=0),
     }
     values = _fields(header["f"], own_fields)
-    specs = _tensor_specs(header["t"], cls.CARRIES_TENSORS)
+    specs = _tensor_specs(header["t"], cls.CARRIES_TENSORS, cls.MAX_TENSORS)
     carried = header.get("b", 0)
     if type(carried) is not int or not 0 <= carried <= len(specs) or (carried and not cls.CARRIES_STATE):
         raise MalformedHeaderError(f"field 'b' must count the buffers among the tensors of a "
@@ -237,7 +240,7 @@ def _unpack_header(frame: Buffer) -> dict[str, Any]:
             strict_map_key=True,
             max_str_len=MAX_STRING,
             max_bin_len=0,
-            max_array_len=MAX_TENSORS * (MAX_DIMS + 3),
+            max_array_len=MAX_ARRAY,
             max_map_len=64,
             max_ext_len=0,
         )
@@ -306,13 +309,13 @@ class _Spec:
         return min(self.chunk, self.nbytes - j * self.chunk)
 
 
-def _tensor_specs(raw: object, carries_tensors: bool) -> list[_Spec]:
+def _tensor_specs(raw: object, carries_tensors: bool, most: int) -> list[_Spec]:
     if not isinstance(raw, list):
         raise MalformedHeaderError("tensor list is not an array")
     if raw and not carries_tensors:
         raise MalformedHeaderError("this kind carries no tensors")
-    if len(raw) > MAX_TENSORS:
-        raise MalformedHeaderError(f"{len(raw)} tensors, at most {MAX_TENSORS}")
+    if len(raw) > most:
+        raise MalformedHeaderError(f"{len(raw)} tensors, at most {most}")
     specs = []
     for i, spec in enumerate(raw):
         if not (isinstance(spec, list) and len(spec) in (4, 5)):

@@ -38,6 +38,8 @@ class Kind(enum.IntEnum):
     RESULT = 13  # rendezvous -> rank: how collective `seq` ended, with its tensor if any
     CHANGES = 14  # coordinator -> workers: the elements that changed since version `base`
     DESCRIBE = 15  # worker -> coordinator: the model and optimizer it trains (answered by ACK)
+    FOLLOW = 16  # standby -> coordinator: I follow you (answered by ACK); from a newer term: step down
+    REPLICA = 17  # coordinator -> standby: the run's state at `version`, before it is published
 
 
 class RejectCode(str, enum.Enum):
@@ -55,6 +57,7 @@ class RejectCode(str, enum.Enum):
     UNEXPECTED = "unexpected"  # a valid message that this node does not take now
     NOT_FINITE = "not_finite"  # the update holds NaN or infinity
     BUILD = "build"  # the worker runs another tensorbus release than the coordinator
+    NOT_YET = "not_yet"  # a standby coordinator, not serving yet: ask again (it may take over)
 
 
 class CollectiveOp(str, enum.Enum):
@@ -110,6 +113,7 @@ class Message:
     # May carry the model's buffers (BatchNorm's running statistics): a worker's with its
     # push, the coordinator's combination of them with its weights (nodes.flat, `state`).
     CARRIES_STATE: ClassVar[bool] = False
+    MAX_TENSORS: ClassVar[int] = 64  # tensors a message of this kind may carry
 
     sender: int = COORDINATOR
     request: int = 0  # non-zero where a reply is expected; the reply echoes it
@@ -169,6 +173,8 @@ class Welcome(Message):
     # (0: no clipping); where gradients are pushed, the coordinator clips their average.
     clip_grad_norm: float = 0.0
     precision: str = ""  # the forward's autocast: "", "bf16-mixed" or "fp16-mixed"
+    # Where a standby coordinator serves, for the worker to move to if this one is lost ("": none).
+    standby: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,6 +250,7 @@ class Heartbeat(Message):
     KIND = Kind.HEARTBEAT
     phase: str = ""
     clock: int = 0
+    standby: str = ""  # a coordinator's: where its standby serves ("": none), as in a Welcome
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,8 +263,35 @@ class Leave(Message):
 @dataclass(frozen=True, kw_only=True)
 class Stop(Message):
     KIND = Kind.STOP
-    reason: str = "done"  # or "error": the run failed
-    detail: str = ""  # why it failed
+    reason: str = "done"  # or "error": the run failed; or "moved": it goes on at `detail`
+    detail: str = ""  # why it failed; where it moved (a standby that took over)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Follow(Message):
+    """A standby coordinator's, every heartbeat: it follows this coordinator, and takes
+    its replicas at `endpoint` (where workers move to if this one is lost); the answer
+    proves this coordinator alive. From a standby that took over (a newer `term`), it
+    tells a coordinator that lived on apart to step down (nodes.replication)."""
+
+    KIND = Kind.FOLLOW
+    endpoint: str  # where the standby serves: tcp://HOST:PORT
+    term: int  # takeovers before the sender's: 0 for a first standby
+    layout: str  # digest of its model's layout; must equal the coordinator's
+    build: str = ""  # its tensorbus release
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replica(Message):
+    """The run's state at `version`, sent to the standby before that version is published:
+    tensors[0] is the state's tree as JSON bytes (uint8), the others its tensors, each as it
+    lies in memory (bus.tree). Answered by ACK."""
+
+    KIND = Kind.REPLICA
+    CARRIES_TENSORS = True
+    OF_THE_LAYOUT = False  # weights, optimizer state and buffers, of any shape
+    MAX_TENSORS = 1024  # (an optimizer keeps a tensor or two a parameter)
+    term: int  # the sender's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,5 +342,7 @@ def _field_types(cls: type[Message]) -> dict[str, type]:
 SCHEMA: Final[dict[Kind, tuple[type[Message], dict[str, type]]]] = {
     cls.KIND: (cls, _field_types(cls))
     for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject,
-                Collective, Result, Changes, Describe)
+                Collective, Result, Changes, Describe, Follow, Replica)
 }
+# The most tensors a message of any kind may carry (the codec's bound on a header's arrays).
+MOST_TENSORS: Final = max(cls.MAX_TENSORS for cls, _ in SCHEMA.values())

@@ -61,9 +61,10 @@ def refusal(join: Join | Describe, *, layout: str, model: object) -> Refusal | N
 
 def welcome(join: Join, rank: int, *, strategy: Strategy, config: CoordinatorConfig,
             world_size: int, pub_port: int, lr: float, position: int,
-            host_token: HostToken | None) -> Welcome:
+            host_token: HostToken | None, standby: str = "") -> Welcome:
     """The Welcome of worker `rank`, admitted for `join` (its weights go with it, sent by
-    nodes.publisher). `host_token`: ours, offered to a worker of this host (bus.shared)."""
+    nodes.publisher). `host_token`: ours, offered to a worker of this host (bus.shared);
+    `standby`: where our standby serves ("": none)."""
     rhythm = strategy.rhythm
     return Welcome(
         request=join.request, rank=rank, world_size=world_size, strategy=strategy.name,
@@ -73,7 +74,7 @@ def welcome(join: Join, rank: int, *, strategy: Strategy, config: CoordinatorCon
         shared=(host_token.offer if host_token is not None and join.shared and HostToken.seen(join.shared)
                 else ""),
         seed=config.seed, clip_grad_norm=config.clip_grad_norm or 0.0,
-        precision=config.precision,
+        precision=config.precision, standby=standby,
     )
 
 

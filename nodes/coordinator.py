@@ -18,6 +18,8 @@ own lives in its module, decides and records, and never touches a socket:
 - nodes.ending: where the run is, and how it ends (stops and failures).
 - nodes.run_checkpoints, nodes.run_length, nodes.evalpoints: checkpoints, the run's
   length and each rank's data position, the copies evaluated after training.
+- nodes.replication: a standby's replicas, sent before each version is published; as a
+  standby, following a coordinator until it takes its run over (`stand_by`).
 
 What is left here, past the size the other modules keep, is what needs several parts at
 once: receiving and answering, carrying out the strategy's decisions, the tick, a worker's
@@ -47,6 +49,7 @@ from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import (
     Ack,
     Describe,
+    Follow,
     Heartbeat,
     Join,
     Leave,
@@ -62,11 +65,14 @@ from tensorbus.bus.messages import (
 from tensorbus.bus.pieces import Received
 from tensorbus.bus.shared import SharedTensorError, SharedWeightPool, sweep
 from tensorbus.bus.transport import (
+    ClientFactory,
     Hub,
     ServerFactory,
     ServerTransport,
+    ZmqClient,
     ZmqServer,
 )
+from tensorbus.bus.tree import MAX_JSON_BYTES
 from tensorbus.nodes import admission
 from tensorbus.nodes.admission import Rejections
 from tensorbus.nodes.config import CoordinatorConfig
@@ -76,6 +82,7 @@ from tensorbus.nodes.failures import (
     Diverged,
     JoinTimedOut,
     NoVersionMade,
+    SteppedDown,
     TooFewWorkers,
     TrainingError,
 )
@@ -89,6 +96,7 @@ from tensorbus.nodes.next_version import NextVersion, NoNextVersion
 from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.nodes.parking import Parking
 from tensorbus.nodes.publisher import Publisher
+from tensorbus.nodes.replication import Ended, Following, Standbys, StepDownNotice
 from tensorbus.nodes.run_checkpoints import RunCheckpoints
 from tensorbus.nodes.run_length import RunLength
 from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
@@ -155,6 +163,7 @@ class Coordinator:
         scheduler: SchedulerFactory | None = None,
         server: ServerTransport | None = None,
         next_version: NextVersion | None = None,
+        client: ClientFactory = ZmqClient,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
         (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
@@ -162,7 +171,8 @@ class Coordinator:
         are shared with its worker: nodes.colocated_sets). `shared_pool`: where the given pool's
         sets lie in shared memory (without a pool, with `config.shared_memory`, this
         coordinator's own sets do: bus.shared.SharedWeightPool); it is closed when the run ends.
-        `transport` makes the sockets (bus.memory's for one-loop tests); `clock` is read
+        `transport` makes the sockets, `client` those to a standby or the coordinator a
+        standby follows (bus.memory's for one-loop tests); `clock` is read
         for every deadline and record (bus.clock). `scheduler`: the SPEC's, stepped here on
         the optimizer that steps the versions (nodes.schedules); under average each worker
         steps its own, and it is not used here. `server`: sockets bound already, to
@@ -245,6 +255,13 @@ class Coordinator:
             config.checkpoint_dir, model=model, flat=self.flat, master=self.master,
             strategy=strategy, schedule=self._schedule, length=self._length,
             buffers=self._buffers, metrics=self.metrics, watch=self.watch, clock=clock)
+        self._client = client
+        self._standbys = Standbys(term=0, layout=self.flat.layout.digest,
+                                  timeout_s=config.timeout_s, clock=clock, client=client,
+                                  metrics=self.metrics)
+        self._replicating: asyncio.Task[None] | None = None  # a first replica for a new standby
+        self._former = ""  # as a standby that took over: the coordinator it followed
+        self._following: Following | None = None  # as a standby, until it takes over
 
     @property
     def state(self) -> State:
@@ -290,6 +307,53 @@ class Coordinator:
         if self._serving.bound:
             self._serving.close()
 
+    async def stand_by(self, primary: str) -> bool:
+        """Follow the coordinator at `primary` as its standby (nodes.replication) until it
+        is lost, then take its run over from the newest replica: True, and `run` goes on
+        from there. False: that coordinator ended its run, and there is nothing to take
+        over (TrainingError if it ended with an error). Binds first."""
+        endpoint = self.bind()
+        if not endpoint.startswith("tcp://"):
+            raise ValueError(f"a standby serves on tcp://HOST:PORT, not {endpoint}")
+        server = self._serving.server
+        # A replica holds the weights, the optimizer's state (a tensor or two a parameter)
+        # and the buffers: room for that, while following.
+        replica_bytes = 4 * self.flat.layout.nbytes + MAX_JSON_BYTES + 65536
+        server.limit(replica_bytes)
+        following = self._following = Following(
+            primary, endpoint=endpoint, layout=self.flat.layout.digest, server=server,
+            client=self._client, clock=self._clock, heartbeat_s=self.config.heartbeat_s,
+            timeout_s=self.config.timeout_s, first_answer_s=self.config.join_timeout_s,
+            max_bytes=replica_bytes)
+        self.metrics.write("following", coordinator=primary, endpoint=endpoint)
+        try:
+            outcome = await following.run()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._following = None
+        server.limit(self._max_bytes)
+        if isinstance(outcome, Ended):
+            self.close()
+            if outcome.stop.reason == "error":
+                raise TrainingError(f"the coordinator at {primary} ended its run with an error: "
+                                    f"{outcome.stop.detail}")
+            log.info("the coordinator at %s ended its run at version %d: nothing to take over",
+                     primary, outcome.stop.version)
+            return False
+        source = f"the replica of version {outcome.state['version']} from {primary}"
+        self.version = self.checkpoints.load(outcome.state, source)
+        members = outcome.state["strategy_state"].get("members", self.strategy.workers)
+        self.strategy.open_gate_at(members)
+        self._standbys.term, self._former = outcome.term, primary
+        log.warning("took over from the coordinator at %s, silent for %.1f s: version %d, term "
+                    "%d, waiting for %d worker(s) (%d replicas taken)", primary, outcome.silent_s,
+                    self.version, outcome.term, self.strategy.gate, following.replicas)
+        self.metrics.write("takeover", version=self.version, term=outcome.term, former=primary,
+                           silent_s=round(outcome.silent_s, 3), replicas=following.replicas)
+        return True
+
     def bind(self) -> str:
         """Bind the sockets now (so that the endpoint is known); `run` binds if not done."""
         return self._serving.bind(lambda server, host_token: Publisher(
@@ -324,7 +388,13 @@ class Coordinator:
             if self._shared_pool is not None:
                 self._shared_pool.close()
             raise
-        tasks = [asyncio.create_task(self._guard(c)) for c in (self._receive(), self._tick())]
+        jobs = [self._receive(), self._tick()]
+        if self._former:  # (taken over: the one followed steps down if it comes back)
+            jobs.append(StepDownNotice(
+                self._former, endpoint=self.endpoint, term=self._standbys.term,
+                layout=self.flat.layout.digest, client=self._client,
+                heartbeat_s=self.config.heartbeat_s).run())
+        tasks = [asyncio.create_task(self._guard(c)) for c in jobs]
         try:
             await done
         except BaseException:
@@ -333,10 +403,13 @@ class Coordinator:
         finally:
             if self._serving.publisher.later is not None:
                 tasks.append(self._serving.publisher.later)
+            if self._replicating is not None:
+                tasks.append(self._replicating)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._serving.close()
+            self._standbys.drop()
             if self._shared_pool is not None:
                 self._shared_pool.close()
             self.watch.close()
@@ -350,6 +423,8 @@ class Coordinator:
                 self.metrics.close()
                 raise
         self._buffers.refresh()
+        if self._standbys.term or self._standbys.replicated:  # (a run that had a standby)
+            self.metrics.standby = self._standbys.summary()
         return summarize(self._evals, self._evaluate, self.master, self.metrics)
 
     async def _guard(self, coroutine: Any) -> None:
@@ -382,6 +457,10 @@ class Coordinator:
         it is not reached within the stop timeout, stop where it is. `quiet`: a stop that
         is the run's normal end (said at info level, not as a warning). Call it from the
         coordinator's event loop."""
+        if self._following is not None:  # a standby: it stops following, and takes nothing over
+            self._following.stop(why)
+            return
+
         def begin(why: str) -> None:  # (a reference kept, so that the task is not collected)
             self._background = asyncio.get_running_loop().create_task(
                 self._guard(self._graceful_stop(why)))
@@ -424,6 +503,9 @@ class Coordinator:
         now = self._clock.monotonic()
         if isinstance(message, Join):
             await self._join(peer, message, now)
+            return
+        if isinstance(message, Follow):  # a standby's (nodes.replication)
+            await self._follow(peer, message)
             return
         if isinstance(message, Describe):  # a script's model, after the first's (run.own_loop)
             refused = admission.refusal(message, layout=self.flat.layout.digest, model=self.model)
@@ -483,6 +565,36 @@ class Coordinator:
             case _:
                 await self._refuse(peer, message, RejectCode.UNEXPECTED, "not taken here")
 
+    async def _follow(self, peer: bytes, message: Follow) -> None:
+        """A standby follows us; or one that took over from us (a newer term): step down."""
+        if self.state is State.STOPPING:  # the run is ending: its standby ends with it
+            await self._serving.reply(peer, self._ending.answer(message.request, self.version))
+            return
+        if message.term > self._standbys.term:
+            await self._serving.reply(peer, Ack(request=message.request, version=self.version))
+            await self.fail(SteppedDown(endpoint=message.endpoint, term=message.term,
+                                        version=self.version))
+            return
+        refused = self._standbys.refusal(message)
+        if refused is not None:
+            await self._refuse(peer, message, RejectCode.UNEXPECTED, refused)
+            return
+        self._standbys.follow(message)
+        await self._serving.reply(peer, Ack(request=message.request, version=self.version))
+        if self._standbys.fresh and (self._replicating is None or self._replicating.done()):
+            self._replicating = asyncio.get_running_loop().create_task(
+                self._guard(self._replicate_now()))
+
+    async def _replicate_now(self) -> None:
+        """A new standby's first replica: the version the workers have now."""
+        async with self._step_lock:
+            if self._standbys.fresh and not self._ending.stopping:
+                await self._standbys.replicate(self.version, self._replica)
+
+    def _replica(self) -> dict[str, Any]:
+        """What a standby takes over from: a checkpoint's state, and our term."""
+        return {**self.checkpoints.state(self.version), "term": self._standbys.term}
+
     async def _join(self, peer: bytes, message: Join, now: float) -> None:
         if self.state is State.STOPPING:
             await self._serving.reply(peer, self._ending.answer(message.request, self.version))
@@ -503,7 +615,8 @@ class Coordinator:
         welcome = admission.welcome(
             message, admitted.rank, strategy=self.strategy, config=self.config,
             world_size=self._members.world_size, pub_port=self._serving.server.pub_port, lr=self.lr,
-            position=self._length.positions.get(admitted.rank, 0), host_token=self._serving.host_token)
+            position=self._length.positions.get(admitted.rank, 0), host_token=self._serving.host_token,
+            standby=self._standbys.endpoint)
         self._intake.copy_held(admitted.rank, self._serving.segments)
         await self._serving.publisher.refresh()
         await self._serving.publisher.send(peer, welcome)
@@ -629,6 +742,11 @@ class Coordinator:
             self._schedule.after_step(self._length.epochs_done())
         if self.state is State.STARTING:
             self._ending.enter(State.TRAINING, f"first step with workers {list(decision.workers)}")
+        # Replicated before it is published: no worker builds on a version its standby lacks.
+        started = self._clock.wall()
+        await self._standbys.replicate(self.version, self._replica)
+        if self._standbys.endpoint:
+            self.watch.span("replicate", started, version=self.version)
         started = self._clock.wall()
         await self._serving.publisher.publish()
         self.watch.span("broadcast", started, version=self.version)
@@ -693,7 +811,8 @@ class Coordinator:
             # Stopping, the Stop goes out again each beat: a worker whose subscription came
             # after the first one (welcomed just before the stop) hears it too, and leaves.
             beat = (self._ending.answer(0, self.version) if self.state is State.STOPPING
-                    else Heartbeat(version=self.version, phase=self.state.value))
+                    else Heartbeat(version=self.version, phase=self.state.value,
+                                   standby=self._standbys.endpoint))
             await self._serving.publish(beat)
             for member in self._members.silent(now, self.config.timeout_s):
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
@@ -751,6 +870,8 @@ class Coordinator:
         stop = self._ending.answer(0, self.version)
         await self._parking.release(self._parking, version=self.version, stop=stop)
         await self._serving.publish(stop)
+        if not isinstance(self._ending.failure, SteppedDown):  # (then the standby is the run)
+            await self._standbys.ended(stop)
 
     async def _depart(self, member: Member, why: str, *, lost: bool = False,
                       warn: bool = False, finished: bool = False) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from tensorbus.bus.clock import Clock
 from tensorbus.bus.messages import Stop
-from tensorbus.nodes.failures import TrainingError
+from tensorbus.nodes.failures import SteppedDown, TrainingError
 from tensorbus.nodes.metrics import Metrics
 
 log = logging.getLogger("tensorbus.coordinator")
@@ -114,6 +114,8 @@ class Ending:
         """What a request is answered with once stopping (and what the stop broadcast
         says, as request 0): a failure said, so that a worker whose answer comes first
         knows it too."""
+        if isinstance(self.failure, SteppedDown):  # the run goes on elsewhere: workers move
+            return Stop(request=request, version=version, reason="moved", detail=self.failure.endpoint)
         if self.failure is not None:
             return Stop(request=request, version=version, reason="error", detail=str(self.failure))
         return Stop(request=request, version=version)

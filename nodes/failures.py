@@ -159,4 +159,27 @@ class NoVersionMade(TrainingError):
                    "no push came (still loading data? --join-timeout waits longer)"))
 
 
-FAILURES: tuple[type[TrainingError], ...] = (Diverged, TooFewWorkers, JoinTimedOut, NoVersionMade)
+@dataclass(eq=False)
+class SteppedDown(TrainingError):
+    """A standby took the run over (`term`) while this coordinator lived on apart from it
+    (a network partition, say): this one steps down and its workers move to `endpoint`."""
+
+    endpoint: str
+    term: int
+    version: int  # this coordinator's, as it steps down
+
+    def __post_init__(self) -> None:
+        TrainingError.__init__(self)
+
+    @classmethod
+    def examples(cls) -> tuple[SteppedDown, ...]:
+        return (cls(endpoint="tcp://10.0.0.2:5555", term=1, version=412),)
+
+    def describe(self) -> str:
+        return (f"stepped down at version {self.version}: the standby at {self.endpoint} took "
+                f"the run over (term {self.term}) while this coordinator was cut off from it; "
+                "the workers move there, and the run goes on at that coordinator")
+
+
+FAILURES: tuple[type[TrainingError], ...] = (Diverged, TooFewWorkers, JoinTimedOut, NoVersionMade,
+                                             SteppedDown)

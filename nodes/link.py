@@ -74,6 +74,7 @@ from tensorbus.nodes.version_chain import VersionChain
 log = logging.getLogger("tensorbus.worker")
 _SETS_MAPPED = 16  # the coordinator's weight sets kept mapped (bus.shared.SharedWeightPool)
 JOIN_SAY_S = 10.0  # a join unanswered this long is said in the log, once
+NOT_YET_S = 0.2  # between joins a standby answered `not_yet` (it takes over within a beat)
 
 
 class RunFailedError(Exception):
@@ -195,6 +196,18 @@ class Link:
         if self._client is not None:
             self._client.close()
 
+    async def move_to(self, endpoint: str) -> None:
+        """Talk to the coordinator at `endpoint` from now on (a standby that took the run
+        over: nodes.replication), with new sockets; join it next."""
+        await self.close()
+        log.info("worker %d moves from the %s to the coordinator at %s", self._owner.rank,
+                 self.peer, endpoint)
+        self.endpoint = endpoint
+        self.liveness.peer = self.versions.peer = self.peer
+        self._client, self._receiving, self._broken = None, None, None
+        self.joined, self.shared, self._announced_port = False, False, 0
+        self.open()
+
     # Joining -------------------------------------------------------------------------------
 
     async def join(self, rank: int, within_s: float, what: str, *, any_rank: bool) -> Welcome:
@@ -226,6 +239,11 @@ class Link:
             except RejectedError as e:
                 if e.code == RejectCode.RANK_TAKEN.value and any_rank and rank != -1:
                     rank = -1  # our old rank went to another worker; any will do
+                    continue
+                if e.code == RejectCode.NOT_YET.value:  # a standby, about to take over
+                    if self._clock.monotonic() >= deadline:
+                        raise PeerTimeoutError(self.peer, what, within_s, e.detail) from None
+                    await asyncio.sleep(NOT_YET_S)
                     continue
                 raise
             if not isinstance(reply, Welcome):
@@ -288,8 +306,7 @@ class Link:
             self._pending.pop(request, None)
         match reply:
             case Stop():
-                self.liveness.stopped_by(reply)
-                raise Stopped
+                raise self.liveness.stopped_by(reply)
             case Reject(code=code, detail=detail):
                 raise RejectedError(code, detail)
         return reply, tracker
@@ -368,11 +385,11 @@ class Link:
                 case Heartbeat() if message.version > versions.version:
                     versions.wake_waiter()  # maybe a missed broadcast: let the waiter look
                 case Stop():
-                    self.liveness.stopped_by(message)
+                    ended = self.liveness.stopped_by(message)
                     versions.wake_waiter()
                     # At once, whatever the worker is doing (loading its data, say): not at
                     # its next request, which may be long in coming.
-                    self._owner.end_session(Stopped())
+                    self._owner.end_session(ended)
             # Let go of the frames now, not when the next broadcast comes: sent in-process,
             # they are the coordinator's snapshot, which it may not reuse while we hold it.
             del frames, message

@@ -28,6 +28,15 @@ class Stopped(Exception):
     """The coordinator said training is over."""
 
 
+class Moved(Exception):
+    """The coordinator said the run goes on at another coordinator, at `endpoint` (a
+    standby that took over: nodes.replication); the worker joins there."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(f"the run moved to the coordinator at {endpoint}")
+        self.endpoint = endpoint
+
+
 class Owner(Protocol):
     """What a link needs of its worker: who it is and what it does, for requests and beats,
     and how to end the worker's session when this coordinator is lost or removed us."""
@@ -43,10 +52,11 @@ class Liveness:
     """When the coordinator was last heard and what it said of the run; beats and watchdog."""
 
     def __init__(self, owner: Owner, peer: str, clock: Clock, *, loaded: Callable[[], int]) -> None:
-        """`peer` names the coordinator in errors; `loaded` says the version of the link's
-        weights in the model now (each heartbeat carries it)."""
+        """`peer` names the coordinator in errors (the link renames it as it moves);
+        `loaded` says the version of the link's weights in the model now (each heartbeat
+        carries it)."""
         self._owner = owner
-        self._peer = peer
+        self.peer = peer
         self._clock = clock
         self._loaded = loaded
         self.seen = -math.inf  # when last heard; never: nobody to say goodbye to
@@ -55,6 +65,7 @@ class Liveness:
         self.timeout_s = 10.0
         self.stopped = False
         self.failure: str | None = None  # why the coordinator's run failed, if it said so
+        self.standby = ""  # where the coordinator's standby serves, as it last said ("": none)
 
     def welcomed(self, welcome: Welcome) -> None:
         """A join was answered: take the coordinator's timings and its version (a restarted
@@ -62,15 +73,22 @@ class Liveness:
         self.coordinator_version = welcome.version
         self.heartbeat_s, self.timeout_s = welcome.heartbeat_s, welcome.timeout_s
         self.seen = self._clock.monotonic()
+        self.standby = welcome.standby
 
     def heard(self, message: Message) -> None:
         self.seen = self._clock.monotonic()
         self.coordinator_version = max(self.coordinator_version, message.version)
+        if isinstance(message, Heartbeat):  # (a coordinator's beat names its standby, or none)
+            self.standby = message.standby
 
-    def stopped_by(self, stop: Stop) -> None:
+    def stopped_by(self, stop: Stop) -> Exception:
+        """The coordinator stopped the run, or moved it: what ends the session (Stopped or Moved)."""
+        if stop.reason == "moved":
+            return Moved(stop.detail)
         self.stopped = True
         if stop.reason == "error":
             self.failure = stop.detail or "no reason given"
+        return Stopped()
 
     def silent_s(self) -> float:
         """Seconds since the coordinator was last heard."""
@@ -84,7 +102,7 @@ class Liveness:
                 return future.result()
             silent = self.silent_s()
             if silent > self.timeout_s:
-                raise PeerTimeoutError(self._peer, waiting_for, silent)
+                raise PeerTimeoutError(self.peer, waiting_for, silent)
 
     async def heartbeats(self, client: ClientTransport) -> None:
         owner = self._owner
@@ -106,7 +124,7 @@ class Liveness:
             if silent > self.timeout_s + self.heartbeat_s:
                 owner = self._owner
                 owner.end_session(PeerTimeoutError(
-                    self._peer,
+                    self.peer,
                     f"anything (worker {owner.rank} was {owner.phase.value} at version "
                     f"{self._loaded()})",
                     silent,

@@ -56,6 +56,8 @@ class Metrics:
         self.stopped_by: str | None = None  # what asked for the stop before the end (a signal)
         self.checkpoint: str | None = None  # the last checkpoint written
         self.unused = 0  # samples each epoch leaves out, as the workers' data says
+        # A standby's (nodes.replication.Standbys.summary): the term, where it is, what it took.
+        self.standby: dict[str, Any] | None = None
 
     def worker(self, rank: int) -> dict[str, float]:
         """The counters of one worker, made on first use."""
@@ -128,6 +130,7 @@ class Metrics:
             "stopped_by": self.stopped_by,
             "checkpoint": self.checkpoint,
             "unused": self.unused,
+            **({"standby": self.standby} if self.standby is not None else {}),
             "per_worker": {
                 str(rank): {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
                 for rank, c in sorted(self.per_worker.items())

@@ -1,6 +1,7 @@
 """A coordinator's checkpoints: what one holds (every part a restarted run needs to go
-on), writing one, and resuming from the newest (`--resume`). The file format, its atomic
-writes and its checks are nodes.checkpoint's.
+on), writing one, and resuming from the newest (`--resume`); the same state is what a
+standby coordinator follows (nodes.replication), and loads as it takes over. The file
+format, its atomic writes and its checks are nodes.checkpoint's.
 
 A checkpoint is written under the coordinator's step lock, so that nothing changes the
 state while a thread writes it (the loop keeps beating meanwhile).
@@ -103,10 +104,17 @@ class RunCheckpoints:
             log.warning("--resume: no checkpoint in %s yet: starting from scratch", self.directory)
             return None
         state = checkpoint.load(path, layout=self._flat.layout.digest)
-        strategy = self._strategy
+        version = self.load(state, str(path))
+        log.info("resumed from %s at version %d", path, version)
+        return version
+
+    def load(self, state: dict[str, Any], source: str) -> int:
+        """Load `state` (as `state()` makes it: a checkpoint's, or a standby's replica,
+        from `source`) into every part; the version it was of."""
+        strategy = self._strategy  # (the layout is checked where the state is read)
         if state["strategy"] != strategy.name:
             raise checkpoint.CheckpointError(
-                f"{path} was written by strategy {state['strategy']}, not {strategy.name}: "
+                f"{source} was written by strategy {state['strategy']}, not {strategy.name}: "
                 f"resume with --strategy {state['strategy']}, or give another --checkpoint-dir")
         self._master.own()
         self._flat.load(state["weights"])
@@ -121,9 +129,9 @@ class RunCheckpoints:
             schedule.scheduler.load_state_dict(scheduler_state)
         version: int = state["version"]
         strategy.restore(state["strategy_state"])
-        self._metrics.resumed(version, state["samples"], str(path))
+        self._metrics.resumed(version, state["samples"], source)
         self._length.target_samples = state["target_samples"]
-        self._length.positions = dict(state["positions"])
+        self._length.positions = {int(rank): at for rank, at in state["positions"].items()}
         now = (strategy.workers, self._length.batch_size)
         was = (state.get("workers", now[0]), state.get("batch_size", now[1]))  # (older lack them)
         if was != now:
@@ -132,5 +140,4 @@ class RunCheckpoints:
                 "%d: each rank's data goes on from where that rank had got to in its old "
                 "shard, so the run does not retrace the one it resumes (same --workers and "
                 "--batch-size would)", *was, *now)
-        log.info("resumed from %s at version %d", path, version)
         return version

@@ -76,7 +76,7 @@ class VersionChain:
         self._weights = weights
         self._staging = HostStaging()  # (on a GPU: what loads go through)
         self._owner = owner
-        self._peer = peer
+        self.peer = peer
         self._liveness = liveness
         self._link = link
         self.model_buffers = model_buffers
@@ -152,7 +152,7 @@ class VersionChain:
             else:
                 self.torn += 1
                 log.info("worker %d: the %s rewrote the weights of version %d while they "
-                         "were copied: pulling them", self._owner.rank, self._peer, self.version)
+                         "were copied: pulling them", self._owner.rank, self.peer, self.version)
                 self.version = had  # what the model holds now is nobody's version
                 # Changes on top of the torn version wait aside for the version pulled.
                 self._aside.update((c.base, c) for c in self._changes)
@@ -246,13 +246,13 @@ class VersionChain:
             except (PeerTimeoutError, RejectedError, Stopped) as e:
                 log.warning("worker %d: could not fetch the final weights of version %d from "
                             "the %s: %s", self._owner.rank, self._liveness.coordinator_version,
-                            self._peer, e)
+                            self.peer, e)
         try:
             await self.load_shared()
         except (PeerTimeoutError, RejectedError, Stopped) as e:
             log.warning("worker %d: could not load the final weights from the %s (its "
                         "model holds a torn copy of that range): %s", self._owner.rank,
-                        self._peer, e)
+                        self.peer, e)
         self.load_latest()
         if self._published_buffers and self.model_buffers is not None:
             # A forward begun on the last version before the stop came moved them on.
@@ -279,7 +279,7 @@ class VersionChain:
                 quiet = True
             silent = liveness.silent_s()
             if silent > liveness.timeout_s:
-                raise PeerTimeoutError(self._peer, f"version {newer_than + 1}", silent)
+                raise PeerTimeoutError(self.peer, f"version {newer_than + 1}", silent)
             have = self.newest()
             # Two quiet heartbeat periods, or a heartbeat announcing a version we lack: ask.
             # A Pull for what we have is answered without tensors, so asking is cheap.
@@ -304,7 +304,7 @@ class VersionChain:
         wrong = changed.out_of_range(self.layout, change.tensors)
         if wrong is not None:
             log.warning("worker %d: the %s broadcast changes out of range (%s); ignored",
-                        self._owner.rank, self._peer, wrong)
+                        self._owner.rank, self.peer, wrong)
             return
         if change.base != self.newest():
             self._aside[change.base] = change
@@ -336,7 +336,7 @@ class VersionChain:
                 # The watchdog ends the session if the coordinator is gone; the next
                 # Changes that do not follow on ask again.
                 log.warning("worker %d: could not pull the weights it missed from the %s: %s",
-                            self._owner.rank, self._peer, e)
+                            self._owner.rank, self.peer, e)
                 continue
             except Stopped:
                 return

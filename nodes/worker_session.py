@@ -5,7 +5,9 @@ trains until the run stops, or until the coordinator is lost (PeerTimeoutError) 
 removed the worker (RejectedError unknown_worker), whichever the training or a link sees
 first; the worker then joins again, within `reconnect_timeout_s` of when the coordinator
 was last heard (it may be restarting from a checkpoint), asking for its old rank so that
-its data shard stays its own.
+its data shard stays its own. A lost coordinator that had a standby is not waited for: the
+worker joins the standby, which takes the run over (nodes.replication); so does a worker
+whose coordinator moved the run there.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tensorbus.bus.clock import Clock
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
 from tensorbus.bus.messages import RejectCode, Welcome
-from tensorbus.nodes.liveness import Stopped
+from tensorbus.nodes.liveness import Moved, Stopped
 
 if TYPE_CHECKING:
     from tensorbus.nodes.worker import Worker
@@ -44,18 +46,26 @@ class WorkerSessions:
         worker = self._worker
         welcome = await self._join(worker.config.join_timeout_s, "join")
         while True:
+            to = ""  # where to join again: another coordinator, or ("") the same
             try:
                 await self._session(welcome)
                 return
             except PeerTimeoutError as e:
                 why = f"lost the coordinator ({e})"
+                # One coordinator with a standby: it takes the run over (nodes.replication).
+                if len(worker.links) == 1 and worker.links[0].liveness.standby:
+                    to = worker.links[0].liveness.standby
+            except Moved as e:
+                why, to = str(e), e.endpoint
             except RejectedError as e:
                 if e.code != RejectCode.UNKNOWN_WORKER.value:
                     raise
                 why = f"removed by the coordinator ({e.detail})"
-            log.warning("worker %d %s at version %d, %s; joining again", worker.rank, why,
-                        worker.version, worker.phase.value)
+            log.warning("worker %d %s at version %d, %s; joining again%s", worker.rank, why,
+                        worker.version, worker.phase.value, f" at {to}" if to else "")
             worker.rejoins += 1
+            if to:
+                await worker.links[0].move_to(to)
             waited = self._clock.monotonic() - min(link.seen for link in worker.links)
             welcome = await self._join(max(worker.config.reconnect_timeout_s - waited, 1.0),
                                        f"rejoin (after: {why})")

@@ -136,9 +136,28 @@ def _launch(args: argparse.Namespace) -> int:
     return _ended(args, summary)
 
 
+def _check_standby(args: argparse.Namespace) -> None:
+    """What a standby (--standby-of) cannot be yet, refused before anything starts."""
+    if args.standby_of is None:
+        return
+    split_endpoint(args.standby_of)
+    unsupported = [name for name, given in (
+        ("a SPEC", args.spec is None), ("--shard", args.shard is not None and args.shard[1] > 1),
+        ("--keys", args.keys is not None), ("--resume", args.resume)) if given]
+    if unsupported:
+        raise ValueError(f"--standby-of follows one coordinator of a SPEC, without --shard, --keys "
+                         f"or --resume, and this one has {', '.join(unsupported)}: a standby of "
+                         "such runs is not built yet")
+    host, _ = split_endpoint(args.bind)
+    if host in ("0.0.0.0", "*", "::"):
+        raise ValueError(f"--standby-of: --bind {args.bind} names no address workers can reach: "
+                         "give this host's address (the coordinator tells its workers to move there)")
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     args.bind, args.workers = _served(args)
     _refuse_public_bind(args)
+    _check_standby(args)
     if args.spec is None:  # scripts that bring their own loop describe the model
         options = RunOptions.from_args(args)
         own_loop.check(options)
@@ -157,17 +176,26 @@ def _coordinator(args: argparse.Namespace) -> int:
     coordinator = make_coordinator(spec, RunOptions.from_args(args), bind=args.bind,
                                    pub_port=args.pub_port, on_step=progress, shard=shard)
     status = StatusTable(sys.stderr, every_s=args.status)
+
+    async def serve() -> dict[str, Any] | None:
+        if args.standby_of is not None and not await coordinator.stand_by(args.standby_of):
+            return None  # the coordinator followed ended its run: nothing was taken over
+        return await status.around(coordinator, coordinator.run())
+
     try:
         with (progress.above() if progress else contextlib.nullcontext(),
               asyncio.Runner(loop_factory=new_event_loop) as runner):
-            summary = runner.run(stopping_on_signals(
-                coordinator, status.around(coordinator, coordinator.run())))
+            ran = runner.run(stopping_on_signals(coordinator, serve()))
     finally:
         if progress:
             progress.close()
+    if ran is None:
+        print(f"the coordinator at {args.standby_of} ended its run: this standby took "
+              "nothing over", file=sys.stderr)
+        return 0
     if args.save is not None:
         save_model(coordinator.model, args.save)
-    return _ended(args, summary)
+    return _ended(args, ran)
 
 
 def _relay(args: argparse.Namespace) -> int:

@@ -130,6 +130,12 @@ def parser() -> OneLineParser:
                                   "owning a range of the parameters; start every shard with "
                                   "the same options, and give workers every shard's address "
                                   "in order: --connect ADDR0,ADDR1,...")
+    coordinator.add_argument("--standby-of", metavar="tcp://HOST:PORT",
+                             help="be the standby of the coordinator at this address, started "
+                                  "with the same SPEC and options: take each version's state "
+                                  "from it, and take its run over once it is silent for "
+                                  "--timeout; its workers move here by themselves. --bind must "
+                                  "name an address they reach")
 
     launch = commands.add_parser(
         "launch", help="a coordinator and N copies of a script with its own training loop "
@@ -393,7 +399,7 @@ TO_OPTIONS: Final[Mapping[str, Callable[[argparse.Namespace], Any]]] = {
 # read by TO_OPTIONS above, or this process's or this node's own settings (run.cli).
 NOT_OPTIONS: Final = frozenset({
     "help", "spec", "threads", "log_level", "debug", "device", "no_progress",
-    "json", "status", "bind", "port", "pub_port", "insecure",  # the process's, the node's
+    "json", "status", "bind", "port", "pub_port", "insecure", "standby_of",  # the node's
     "fault", "eval_every", "shard", *STRATEGY_FLAGS,  # read by TO_OPTIONS
 })
 

@@ -186,7 +186,10 @@ class Strategy(ABC):
             raise ValueError(f"workers must be at least 1, got {workers}")
         if not stall_after_s > 0:  # also refuses NaN
             raise ValueError(f"stall_after_s must be positive, got {stall_after_s}")
-        self.workers = workers  # how many must be ready before anyone trains
+        self.workers = workers  # how many the run starts with
+        # How many must be ready before anyone trains: `workers`, unless the run went on
+        # smaller before a standby took it over (`open_gate_at`).
+        self.gate = workers
         self.rhythm = rhythm
         self.stall_after_s = stall_after_s
         self.version = 0  # updates applied so far, as the coordinator counts them
@@ -210,15 +213,20 @@ class Strategy(ABC):
         return None
 
     def state(self) -> dict[str, int]:
-        """What a checkpoint keeps of this strategy: its version. Members, clocks and held
-        updates are not kept: after a restart, workers join again (level with each other)
-        and compute anew on the restored version."""
-        return {"version": self.version}
+        """What a checkpoint keeps of this strategy: its version, and how many members it
+        had. Members, clocks and held updates are not kept: after a restart, workers join
+        again (level with each other) and compute anew on the restored version."""
+        return {"version": self.version, "members": len(self.members)}
 
     def restore(self, state: dict[str, int]) -> None:
         """Go on from a checkpoint's `state()`. Called on a fresh strategy, whose start gate
         is closed: the restarted run waits for `workers` to be ready as a new one does."""
         self.version = state["version"]
+
+    def open_gate_at(self, members: int) -> None:
+        """Let training start once `members` are ready (at least one, at most `workers`):
+        a standby that takes over a run that had gone on smaller waits for those alone."""
+        self.gate = max(1, min(self.workers, members))
 
     def clock_gap(self) -> int:
         """The largest difference between two live members' clocks."""
@@ -246,7 +254,7 @@ class Strategy(ABC):
         if self.started:
             return []
         self._gated.append(worker)
-        if len(self.members) < self.workers:
+        if len(self.members) < self.gate:
             return [Hold(worker)]
         self.started = True
         gated, self._gated = tuple(w for w in self._gated if w in self.members), []

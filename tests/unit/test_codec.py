@@ -19,6 +19,7 @@ from tensorbus.bus.codec import (
     CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     DTYPES,
+    MAX_ARRAY,
     MAX_DIMS,
     MAX_FRAMES,
     MAX_HEADER_BYTES,
@@ -49,6 +50,7 @@ from tensorbus.bus.messages import (
     Changes,
     Collective,
     Describe,
+    Follow,
     Heartbeat,
     Join,
     Kind,
@@ -58,6 +60,7 @@ from tensorbus.bus.messages import (
     Ready,
     Reject,
     RejectCode,
+    Replica,
     Result,
     Stop,
     Weights,
@@ -152,7 +155,8 @@ SAMPLES = {
                           batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9,
                           compress="bf16",
                           shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
-                          seed=3, clip_grad_norm=0.5, precision="bf16-mixed", tensors=WEIGHTS),
+                          seed=3, clip_grad_norm=0.5, precision="bf16-mixed",
+                          standby="tcp://10.0.0.2:5555", tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14, overflows=2,
@@ -160,7 +164,8 @@ SAMPLES = {
     Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
     Kind.PULL: Pull(sender=3, request=14, version=6),
     Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, generation=3, tensors=WEIGHTS),
-    Kind.HEARTBEAT: Heartbeat(sender=3, request=15, version=8, phase="computing", clock=42),
+    Kind.HEARTBEAT: Heartbeat(sender=3, request=15, version=8, phase="computing", clock=42,
+                              standby="tcp://10.0.0.2:5555"),
     Kind.LEAVE: Leave(sender=3, request=16, version=8, reason="error",
                       detail="CUDA out of memory \u00fc \u2713 \U0001f525"),
     Kind.STOP: Stop(sender=COORDINATOR, request=17, version=9, reason="error",
@@ -177,6 +182,12 @@ SAMPLES = {
     Kind.DESCRIBE: Describe(sender=3, request=21, version=1, layout="0f1e2d3c4b5a6978",
                             model='{"params": [["w", [6], "float32", true]], "buffers": []}',
                             build="0.1.0", tensors=WEIGHTS),
+    Kind.FOLLOW: Follow(sender=COORDINATOR, request=22, version=3, endpoint="tcp://10.0.0.2:5555",
+                        term=1, layout="0f1e2d3c4b5a6978", build="0.1.0"),
+    # A state's tree (bus.tree) then its tensors: any shape, the model's layout or not.
+    Kind.REPLICA: Replica(sender=COORDINATOR, request=23, version=9, term=2,
+                          tensors=(torch.frombuffer(bytearray(b'{"d":[]}'), dtype=torch.uint8),
+                                   torch.ones(2, 3), torch.tensor(4.0))),
 }
 
 
@@ -360,7 +371,7 @@ def test_no_frames():
         b"\x91" * 2000 + b"\xc0",  # nested deeper than the unpacker's stack
         msgpack.packb({"p": 1, "x": b"bin"}, use_bin_type=True),  # binary data
         msgpack.packb({"p": 1, "x": msgpack.ExtType(1, b"e")}),  # an extension type
-        msgpack.packb(list(range(MAX_TENSORS * (MAX_DIMS + 3) + 1))),  # array over the limit
+        msgpack.packb(list(range(MAX_ARRAY + 1))),  # array over the limit
         msgpack.packb({"p": 1, "x": "s" * (MAX_STRING + 1)}),  # string over the limit
         b"\xff" * 32,
     ],
@@ -386,7 +397,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, -1, 255, "11", None, [11]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, -1, 255, "12", None, [12]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
@@ -582,6 +593,17 @@ def test_too_many_tensors():
     header["t"] = [["uint8", [1], 1]] * (MAX_TENSORS + 1)
     payload = [bytearray(1) for _ in range(MAX_TENSORS + 1)]
     assert_malformed(repack(header, payload), f"{MAX_TENSORS + 1} tensors, at most {MAX_TENSORS}")
+
+
+def test_a_replica_carries_more_tensors_than_other_kinds_and_no_more_than_its_own_limit():
+    """A standby's replica holds an optimizer's state, a tensor or two a parameter."""
+    most = Replica.MAX_TENSORS
+    assert most > MAX_TENSORS
+    tensors = tuple(torch.tensor([i % 256], dtype=torch.uint8) for i in range(most))
+    decoded = decode(received(encode(Replica(term=1, tensors=tensors))))
+    assert len(decoded.tensors) == most
+    header, payload = split(Replica(term=1, tensors=(*tensors, tensors[0])))
+    assert_malformed(repack(header, payload), f"{most + 1} tensors, at most {most}")
 
 
 def test_tensor_count_at_the_limit_is_accepted():
