@@ -313,8 +313,8 @@ class Coordinator:
         from there. False: that coordinator ended its run, and there is nothing to take
         over (TrainingError if it ended with an error). Binds first."""
         endpoint = self.bind()
-        if not endpoint.startswith("tcp://"):
-            raise ValueError(f"a standby serves on tcp://HOST:PORT, not {endpoint}")
+        if endpoint.startswith("inproc://"):
+            raise ValueError(f"a standby serves where workers of other processes reach it, not {endpoint}")
         server = self._serving.server
         # A replica holds the weights, the optimizer's state (a tensor or two a parameter)
         # and the buffers: room for that, while following.

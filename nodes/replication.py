@@ -33,12 +33,13 @@ sockets, then follows the coordinator it names:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,13 +61,31 @@ from tensorbus.bus.messages import (
 from tensorbus.bus.pieces import whole
 from tensorbus.bus.transport import ClientFactory, ClientTransport, ServerTransport
 from tensorbus.bus.tree import TreeError, flatten, unflatten
+from tensorbus.nodes.failures import TrainingError
 from tensorbus.nodes.metrics import Metrics
 
 log = logging.getLogger("tensorbus.coordinator")
 ACK_BYTES = 1 << 16  # what the coordinator takes back from its standby: acknowledgements
+T = TypeVar("T")
 
 
-class FollowError(Exception):
+async def _within(awaitable: Awaitable[T], seconds: float) -> T:
+    """`awaitable`'s result, or TimeoutError after `seconds` (it is then cancelled). Not
+    asyncio.wait_for, which on Python 3.11 may swallow a cancellation of its caller that
+    comes as the awaitable completes: a loop around it would then never end."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise TimeoutError
+    return task.result()
+
+
+class FollowError(TrainingError):
     """A standby cannot follow its coordinator (refused, or lost before any replica)."""
 
 
@@ -109,8 +128,8 @@ class Standbys:
         if follow.layout != self._layout:
             return (f"the standby's model has layout {follow.layout}, this coordinator's "
                     f"{self._layout}: start the standby with the same SPEC")
-        if not follow.endpoint.startswith("tcp://"):
-            return f"the standby's endpoint {follow.endpoint!r} is not tcp://HOST:PORT"
+        if not follow.endpoint or follow.endpoint.startswith("inproc://"):
+            return f"the standby's endpoint {follow.endpoint!r} is not one workers can move to"
         return None
 
     def follow(self, follow: Follow) -> None:
@@ -166,14 +185,14 @@ class Standbys:
         request = next(self._requests)
         deadline = self._clock.monotonic() + seconds
         peer = f"standby at {self.endpoint}"
-        tracker = await asyncio.wait_for(
-            client.send(encode(dataclasses.replace(message, request=request))), seconds)
+        tracker = await _within(client.send(encode(dataclasses.replace(message, request=request))),
+                                seconds)
         while True:
             left = deadline - self._clock.monotonic()
             if left <= 0:
                 raise PeerTimeoutError(peer, what, seconds)
             try:
-                frames = await asyncio.wait_for(client.recv(), left)
+                frames = await _within(client.recv(), left)
             except TimeoutError:
                 raise PeerTimeoutError(peer, what, seconds) from None
             answer = decode(frames, max_bytes=ACK_BYTES)
@@ -242,6 +261,7 @@ class Following:
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
+            log.debug("standby: %s failed", task.get_coro(), exc_info=task.exception())
             self._end(task.exception())  # type: ignore[arg-type]
 
     def stop(self, why: str) -> None:
@@ -264,10 +284,10 @@ class Following:
         for request in itertools.count(1):
             follow = Follow(request=request, endpoint=self._endpoint, term=0, layout=self._layout,
                             build=BUILD)
-            try:
-                await asyncio.wait_for(client.send(encode(follow)), self._heartbeat_s)
-            except TimeoutError:
-                pass  # a DEALER whose peer is gone blocks: the watch decides
+            # A DEALER whose peer is gone blocks in send: given up after a beat (the watch
+            # decides).
+            with contextlib.suppress(TimeoutError):
+                await _within(client.send(encode(follow)), self._heartbeat_s)
             await asyncio.sleep(self._heartbeat_s)
 
     async def _answers(self, client: ClientTransport) -> None:
@@ -383,8 +403,8 @@ class StepDownNotice:
                 follow = Follow(request=request, endpoint=self._endpoint, term=self._term,
                                 layout=self._layout, build=BUILD)
                 try:
-                    await asyncio.wait_for(client.send(encode(follow)), self._heartbeat_s)
-                    answer = decode(await asyncio.wait_for(client.recv(), self._heartbeat_s),
+                    await _within(client.send(encode(follow)), self._heartbeat_s)
+                    answer = decode(await _within(client.recv(), self._heartbeat_s),
                                     max_bytes=ACK_BYTES)
                 except (TimeoutError, WireError):
                     continue
