@@ -217,10 +217,11 @@ def _decode(
             if segments is None:
                 raise SharedTensorError("a tensor by reference (shared memory), which this node "
                                         "does not take: send the bytes")
-            if kind not in (Kind.PUSH, Kind.WEIGHTS) or not spec.dtype.is_floating_point:
+            if (kind not in (Kind.PUSH, Kind.WEIGHTS, Kind.REPLICA)
+                    or not spec.dtype.is_floating_point):
                 raise SharedTensorError(f"a {spec.dtype} tensor by reference in a {kind.name}: "
-                                        "only the float tensors of a push or of weights may "
-                                        "come by reference")
+                                        "only the float tensors of a push, of weights or of a "
+                                        "replica may come by reference")
             tensors.append(segments.view(spec.ref, spec.nbytes, spec.dtype).view(spec.shape))
             continue
         tensors.append(_tensor(frames[first : first + spec.frames], spec))

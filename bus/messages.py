@@ -279,6 +279,7 @@ class Follow(Message):
     term: int  # takeovers before the sender's: 0 for a first standby
     layout: str  # digest of its model's layout; must equal the coordinator's
     build: str = ""  # its tensorbus release
+    shared: str = ""  # its bus.shared.HostToken's offer: it reads weights by reference ("": not)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +293,9 @@ class Replica(Message):
     OF_THE_LAYOUT = False  # weights, optimizer state and buffers, of any shape
     MAX_TENSORS = 1024  # (an optimizer keeps a tensor or two a parameter)
     term: int  # the sender's
+    # Its weights by reference, to a standby of the same host: the generation of the shared
+    # set they lie in (bus.shared.SharedWeightPool), as when sent; 0: they went as bytes.
+    generation: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

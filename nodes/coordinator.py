@@ -96,7 +96,7 @@ from tensorbus.nodes.next_version import NextVersion, NoNextVersion
 from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.nodes.parking import Parking
 from tensorbus.nodes.publisher import Publisher
-from tensorbus.nodes.replication import Ended, Following, Standbys, StepDownNotice
+from tensorbus.nodes.replication import Ended, FollowError, Following, Standbys, StepDownNotice
 from tensorbus.nodes.run_checkpoints import RunCheckpoints
 from tensorbus.nodes.run_length import RunLength
 from tensorbus.nodes.schedules import SchedulerFactory, make_schedule
@@ -258,7 +258,7 @@ class Coordinator:
         self._client = client
         self._standbys = Standbys(term=0, layout=self.flat.layout.digest,
                                   timeout_s=config.timeout_s, clock=clock, client=client,
-                                  metrics=self.metrics)
+                                  metrics=self.metrics, shared_pool=self._shared_pool)
         self._replicating: asyncio.Task[None] | None = None  # a first replica for a new standby
         self._former = ""  # as a standby that took over: the coordinator it followed
         self._following: Following | None = None  # as a standby, until it takes over
@@ -344,6 +344,10 @@ class Coordinator:
             return False
         source = f"the replica of version {outcome.state['version']} from {primary}"
         self.version = self.checkpoints.load(outcome.state, source)
+        if outcome.torn():  # (copied from its set, which its coordinator wrote again meanwhile)
+            self.close()
+            raise FollowError(f"{source} was written again while it was read: nothing whole to "
+                              "take over (the coordinator wrote its newest version's set)")
         members = outcome.state["strategy_state"].get("members", self.strategy.workers)
         self.strategy.open_gate_at(members)
         self._standbys.term, self._former = outcome.term, primary
@@ -593,7 +597,7 @@ class Coordinator:
 
     def _replica(self) -> dict[str, Any]:
         """What a standby takes over from: a checkpoint's state, and our term."""
-        return {**self.checkpoints.state(self.version), "term": self._standbys.term}
+        return {**self.checkpoints.state(self.version, to_file=False), "term": self._standbys.term}
 
     async def _join(self, peer: bytes, message: Join, now: float) -> None:
         if self.state is State.STOPPING:

@@ -59,6 +59,7 @@ from tensorbus.bus.messages import (
     Stop,
 )
 from tensorbus.bus.pieces import whole
+from tensorbus.bus.shared import HostToken, Ref, SegmentCache, SharedWeightPool
 from tensorbus.bus.transport import ClientFactory, ClientTransport, ServerTransport
 from tensorbus.bus.tree import TreeError, flatten, unflatten
 from tensorbus.nodes.failures import TrainingError
@@ -91,11 +92,19 @@ class FollowError(TrainingError):
 
 @dataclass(frozen=True)
 class TakeOver:
-    """The standby's coordinator was silent too long: go on from `state` in `term`."""
+    """The standby's coordinator was silent too long: go on from `state` in `term`.
+    `generation`: where its weights are the coordinator's own set, that set's generation
+    when replicated (0: they came as bytes); `check` reads it again, after the copy."""
 
     state: dict[str, Any]
     term: int
     silent_s: float
+    generation: int = 0
+
+    def torn(self) -> bool:
+        """Whether the weights, read where they lie, were written since they were replicated."""
+        return bool(self.generation) and SegmentCache.generation(
+            self.state["weights"][0]) != self.generation
 
 
 @dataclass(frozen=True)
@@ -109,7 +118,10 @@ class Standbys:
     """A coordinator's standby (one at most): where it is, and the replica of each version."""
 
     def __init__(self, *, term: int, layout: str, timeout_s: float, clock: Clock,
-                 client: ClientFactory, metrics: Metrics) -> None:
+                 client: ClientFactory, metrics: Metrics,
+                 shared_pool: SharedWeightPool | None = None) -> None:
+        """`shared_pool`: where the coordinator's weight sets lie in shared memory: a standby
+        of this host reads the weights there, by reference, instead of taking their bytes."""
         self.term = term  # takeovers before this coordinator's (0: the first coordinator)
         self.endpoint = ""  # the standby's, named in heartbeats and Welcomes ("": none)
         self._layout = layout
@@ -117,6 +129,8 @@ class Standbys:
         self._clock = clock
         self._client_factory = client
         self._metrics = metrics
+        self._shared_pool = shared_pool
+        self.by_reference = False  # the standby reads the weights where they lie
         self._client: ClientTransport | None = None
         self._requests = itertools.count(1)
         self.fresh = False  # followed anew: it needs a replica of the current version
@@ -139,8 +153,11 @@ class Standbys:
         self.drop()
         self._client = self._client_factory(follow.endpoint, max_message_bytes=ACK_BYTES)
         self.endpoint, self.fresh = follow.endpoint, True
-        log.info("a standby follows this coordinator from %s", follow.endpoint)
-        self._metrics.write("standby", endpoint=follow.endpoint)
+        self.by_reference = (self._shared_pool is not None and bool(follow.shared)
+                             and HostToken.seen(follow.shared))
+        log.info("a standby follows this coordinator from %s%s", follow.endpoint,
+                 " (this host: the weights by reference)" if self.by_reference else "")
+        self._metrics.write("standby", endpoint=follow.endpoint, by_reference=self.by_reference)
 
     async def replicate(self, version: int, state: Callable[[], dict[str, Any]]) -> None:
         """Send the standby the state of `version` and wait for its acknowledgement; one
@@ -148,11 +165,17 @@ class Standbys:
         if self._client is None:
             return
         started = self._clock.monotonic()
-        skeleton, tensors = flatten(state())
-        message = Replica(version=version, term=self.term, tensors=(
+        made = state()
+        skeleton, tensors = flatten(made)
+        # A standby of this host reads the weights where they lie (the newest version's set,
+        # which no step writes again: nodes.master), with the set's generation to check.
+        pool = self._shared_pool if self.by_reference else None
+        generation = pool.generation(made["weights"]) if pool is not None else None
+        message = Replica(version=version, term=self.term, generation=generation or 0, tensors=(
             torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), *tensors))
         try:
-            await self._request(message, f"the replica of version {version}")
+            await self._request(message, f"the replica of version {version}",
+                                refer=pool.locate if pool is not None and generation else None)
         except (PeerTimeoutError, WireError, RejectedError) as e:
             log.warning("the standby at %s did not take the replica of version %d (%s): going "
                         "on without a standby (start another with --standby-of)",
@@ -175,7 +198,8 @@ class Standbys:
             log.info("the standby at %s was not told that the run ended (%s)", self.endpoint, e)
         self.drop()
 
-    async def _request(self, message: Message, what: str, *, timeout_s: float | None = None) -> None:
+    async def _request(self, message: Message, what: str, *, timeout_s: float | None = None,
+                       refer: Callable[[torch.Tensor], Ref | None] | None = None) -> None:
         """`message` to the standby, answered by an Ack, within the timeout; the frames
         (the state's own memory) let go of before it returns, so that the next step may
         write them."""
@@ -185,8 +209,8 @@ class Standbys:
         request = next(self._requests)
         deadline = self._clock.monotonic() + seconds
         peer = f"standby at {self.endpoint}"
-        tracker = await _within(client.send(encode(dataclasses.replace(message, request=request))),
-                                seconds)
+        sent = encode(dataclasses.replace(message, request=request), refer=refer)
+        tracker = await _within(client.send(sent), seconds)
         while True:
             left = deadline - self._clock.monotonic()
             if left <= 0:
@@ -211,7 +235,8 @@ class Standbys:
 
     def summary(self) -> dict[str, Any]:
         return {"term": self.term, "standby": self.endpoint or None,
-                "replicated": self.replicated, "replicate_s": round(self.replicate_s, 6)}
+                "replicated": self.replicated, "replicate_s": round(self.replicate_s, 6),
+                "by_reference": self.by_reference}
 
 
 class Following:
@@ -238,6 +263,7 @@ class Following:
         self._began = clock.monotonic()
         self._outcome: asyncio.Future[TakeOver | Ended] | None = None
         self._pending_stop = ""  # a stop asked for before run() began
+        self._segments = SegmentCache(4)  # the coordinator's weight sets, read by reference
         self.replicas = 0
 
     async def run(self) -> TakeOver | Ended:
@@ -246,8 +272,13 @@ class Following:
         self._outcome = asyncio.get_running_loop().create_future()
         if self._pending_stop:
             self.stop(self._pending_stop)
+        try:
+            token: HostToken | None = HostToken()  # (a coordinator of this host sends references)
+        except OSError:
+            token = None
         client = self._client_factory(self._primary, max_message_bytes=ACK_BYTES)
-        tasks = [asyncio.create_task(c) for c in (self._probe(client), self._answers(client),
+        offer = token.offer if token is not None else ""
+        tasks = [asyncio.create_task(c) for c in (self._probe(client, offer), self._answers(client),
                                                   self._serve(), self._watch())]
         for task in tasks:  # (one that fails ends the following, with its error)
             task.add_done_callback(self._ended)
@@ -258,6 +289,8 @@ class Following:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             client.close()
+            if token is not None:
+                token.close()
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -280,10 +313,10 @@ class Following:
         else:
             self._outcome.set_result(outcome)
 
-    async def _probe(self, client: ClientTransport) -> None:
+    async def _probe(self, client: ClientTransport, offer: str) -> None:
         for request in itertools.count(1):
             follow = Follow(request=request, endpoint=self._endpoint, term=0, layout=self._layout,
-                            build=BUILD)
+                            build=BUILD, shared=offer)
             # A DEALER whose peer is gone blocks in send: given up after a beat (the watch
             # decides).
             with contextlib.suppress(TimeoutError):
@@ -313,7 +346,7 @@ class Following:
         while True:
             peer, frames = await server.recv()
             try:
-                message = decode(frames, max_bytes=self._max_bytes)
+                message = decode(frames, max_bytes=self._max_bytes, segments=self._segments)
             except WireError as e:
                 await server.send(peer, encode(Reject(request=e.request, code=e.code.value,
                                                       detail=str(e)[:1000])))
@@ -365,7 +398,7 @@ class Following:
                 self._end(FollowError(f"the newest replica (version {self._newest.version}) "
                                       f"cannot be read: {e}"))
                 return
-            self._end(TakeOver(state, self._newest.term + 1, silent))
+            self._end(TakeOver(state, self._newest.term + 1, silent, self._newest.generation))
             return
 
 

@@ -51,8 +51,10 @@ class RunCheckpoints:
         if directory is not None:
             checkpoint.prepare(directory)
 
-    def state(self, version: int) -> dict[str, Any]:
-        """What a restarted coordinator needs to go on: tensors and plain values only."""
+    def state(self, version: int, *, to_file: bool = True) -> dict[str, Any]:
+        """What a restarted coordinator needs to go on: tensors and plain values only.
+        `to_file`: for torch.save, which writes a view's whole storage: a weight buffer
+        that is a range of a larger one is copied (a replica sends a view's own bytes)."""
         self._buffers.refresh()
         flat, model, optimizer, schedule = self._flat, self._model, self._master.optimizer, self._schedule
         return {
@@ -62,7 +64,7 @@ class RunCheckpoints:
             "strategy_state": self._strategy.state(),
             # (Copied where a buffer is a range of a larger one, a colocated shard's: torch
             # saves a view's whole storage.)
-            "weights": [w if w.untyped_storage().nbytes() == w.numel() * w.element_size()
+            "weights": [w if not to_file or w.untyped_storage().nbytes() == w.numel() * w.element_size()
                         else w.clone() for w in flat.weights],
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": ((schedule.scheduler.state_dict(), schedule.epochs_stepped)

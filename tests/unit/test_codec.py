@@ -183,9 +183,10 @@ SAMPLES = {
                             model='{"params": [["w", [6], "float32", true]], "buffers": []}',
                             build="0.1.0", tensors=WEIGHTS),
     Kind.FOLLOW: Follow(sender=COORDINATOR, request=22, version=3, endpoint="tcp://10.0.0.2:5555",
-                        term=1, layout="0f1e2d3c4b5a6978", build="0.1.0"),
+                        term=1, layout="0f1e2d3c4b5a6978", build="0.1.0",
+                        shared="tensorbus-2-0123456789abcdef 00112233445566778899aabbccddeeff"),
     # A state's tree (bus.tree) then its tensors: any shape, the model's layout or not.
-    Kind.REPLICA: Replica(sender=COORDINATOR, request=23, version=9, term=2,
+    Kind.REPLICA: Replica(sender=COORDINATOR, request=23, version=9, term=2, generation=5,
                           tensors=(torch.frombuffer(bytearray(b'{"d":[]}'), dtype=torch.uint8),
                                    torch.ones(2, 3), torch.tensor(4.0))),
 }
