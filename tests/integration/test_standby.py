@@ -4,7 +4,7 @@ A coordinator, its standby and two workers, all real nodes over the in-memory tr
 (bus.memory) and the virtual-time loop (bus.clock): a coordinator killed mid-run (its
 endpoint cut off and its task cancelled) is taken over by its standby, its workers move
 there by themselves, and the run ends as an uninterrupted one does. Timings are checked in
-virtual seconds. The same with real processes and SIGKILL: tests/system/test_standby.py.
+virtual seconds. The same with real processes and SIGKILL: tests/system/test_standby_kill.py.
 """
 
 from __future__ import annotations
