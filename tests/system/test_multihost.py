@@ -14,10 +14,14 @@ in its `finally`, and the tests skip, saying why, where `ip netns` is not permit
   every process exits 0. (This test found a livelock, now fixed: a worker rejoining while
   its broadcasts were still held up in TCP back-off pushed on a version already left
   behind, was dropped as late, and computed on that version again, forever.)
+- A standby in a namespace of its own, cut off: it takes the run over while the coordinator
+  drops it and trains on; once healed, the old coordinator steps down with its line and its
+  workers move to the standby.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -199,3 +203,69 @@ def test_a_worker_cut_off_longer_than_the_timeout_is_dropped_then_rejoins(
         # say it was removed) and joined again; worker 0 never did.
         assert "worker 1 lost the coordinator" in (tmp_path / "worker-1.log").read_text()
         assert "joining again" not in (tmp_path / "worker-0.log").read_text(), c.logs()
+
+
+def test_a_coordinator_cut_off_from_its_standby_steps_down_once_the_network_heals(
+    tmp_path: Path,
+) -> None:
+    """The standby (in a namespace of its own) is cut off: it takes the run over, while the
+    coordinator, still reaching its workers, drops it and trains on. Once the link is back,
+    the standby's call makes the old coordinator step down with its line; its workers move
+    to the standby, which then trains with both: one coordinator again."""
+    with net_cluster(tmp_path, workers=3) as c:  # (the third namespace holds the standby)
+        # (Namespaces share /dev/shm: without shared memory, as between hosts. A standby of
+        # the same host would read a cut-off coordinator's weights where that one, alive,
+        # goes on writing them, and refuse to take over from a torn copy.)
+        run = ["--workers", "2", "--steps", "100000", "--batch-size", "16", "--strategy", "sync",
+               "--insecure", "--no-shared-memory"]
+        c.start_coordinator(*run)
+        standby_at = f"tcp://{worker_address(2)}:{PORT}"
+        standby_metrics = tmp_path / "standby.jsonl"
+        standby = c._start_in(
+            c.net.workers[2], "coordinator", str(c.spec), "--bind", standby_at, "--pub-port",
+            str(PORT + 1), "--standby-of", c.endpoint, "--no-progress", "--json", "--metrics",
+            str(standby_metrics), *LIVENESS, *QUIET, *run, log="standby.log")
+        c.wait_for("the standby", lambda rs: any(r["event"] == "standby" for r in rs))
+        for rank in range(2):
+            c.start_worker(rank, "--fault", "slow:10", "--reconnect-timeout", "30",
+                           "--no-shared-memory", "--log-level", "info")
+        c.wait_for("version 5", lambda rs: version(rs) >= 5)
+
+        c.net.cut(2)
+        records = c.wait_for("the standby dropped", lambda rs: any(
+            r["event"] == "standby_dropped" for r in rs), timeout=20)
+        dropped_at = next(r for r in records if r["event"] == "standby_dropped")["wall_s"]
+        c.wait_for("versions after the drop", lambda rs: any(
+            r["event"] == "step" and r["wall_s"] > dropped_at + 1.0 for r in rs))
+        taken_over = _records_of(standby_metrics, "takeover", within_s=20)
+        c.net.restore(2)
+
+        assert c.coordinator is not None
+        assert c.coordinator.wait(timeout=30) == 1, c.logs()
+        said = (tmp_path / "coordinator.log").read_text()
+        assert "tensorbus: error: stepped down at version" in said
+        assert f"the standby at {standby_at} took the run over (term 1)" in said
+        # The workers moved: the standby trains with both of them.
+        _records_of(standby_metrics, "step", within_s=30, where=lambda r: r["workers"] == [0, 1]
+                    and r["version"] > taken_over["version"] + 5)
+        standby.send_signal(signal.SIGTERM)
+        out, _ = standby.communicate(timeout=30)
+        summary = json.loads(out[out.index("{"):])
+        assert summary["standby"]["term"] == 1 and summary["stopped_by"] == "SIGTERM"
+        for rank in range(2):
+            assert c.workers[rank].wait(timeout=15) == 0, c.logs()
+            said = (tmp_path / f"worker-{rank}.log").read_text()
+            assert f"the run moved to the coordinator at {standby_at}" in said, said[-2000:]
+
+
+def _records_of(path: Path, event: str, *, within_s: float,
+                where: Any = lambda r: True) -> dict[str, Any]:
+    """The first `event` record of the metrics at `path` that `where` accepts, waited for."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        found = next((r for r in map(json.loads, lines) if r["event"] == event and where(r)), None)
+        if found is not None:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"no {event} in {path} within {within_s} s")
