@@ -10,6 +10,7 @@ virtual seconds. The same with real processes and SIGKILL: tests/system/test_sta
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from tensorbus.strategies import Async, AsyncAveraging, PeriodicAveraging, Stale
 pytestmark = pytest.mark.timeout(30)
 
 digits = load_example("digits")
-STEPS, KILL_AT, TIMEOUT_S, BEAT_S = 30, 12, 2.0, 0.25
+STEPS, KILL_AT, TIMEOUT_S, BEAT_S = 40, 15, 2.0, 0.25
 STRATEGIES: dict[str, Callable[[], Strategy]] = {
     "sync": lambda: Sync(workers=2),
     "average": lambda: PeriodicAveraging(workers=2, average_every=2),
@@ -53,7 +54,7 @@ def _coordinator(network: MemoryNetwork, clock: LoopClock, strategy: str,
 
     return Coordinator(model=digits.model(), strategy=STRATEGIES[strategy](),
                        config=CoordinatorConfig(**settings), transport=network.server,
-                       client=client or network.client, clock=clock, lr=0.05, on_step=on_step,
+                       client=client or network.client, clock=clock, lr=0.3, on_step=on_step,
                        evaluate=digits.evaluate)
 
 
@@ -142,11 +143,13 @@ def test_a_killed_coordinator_is_taken_over_with_no_version_lost(strategy: str) 
     assert [r.rejoins for r in got["reports"]] == [1, 1]
     assert {r.final_version for r in got["reports"]} == {STEPS}
     calm, weights = _calm(strategy)
+    assert summary["samples"] == calm["samples"]  # (a version's samples: none twice, none lost)
     if strategy in ("sync", "average"):  # the same batches, in the same order: the same run
-        assert summary["samples"] == calm["samples"]
         assert torch.allclose(got["weights"], weights, atol=1e-5)
         assert summary["final_loss"] == pytest.approx(calm["final_loss"], abs=1e-5)
-    assert summary["accuracy"] == pytest.approx(calm["accuracy"], abs=0.1)
+        assert summary["accuracy"] == pytest.approx(calm["accuracy"], abs=0.005)
+    else:  # (the order pushes come in is the run's own: two calm runs differ too)
+        assert summary["final_loss"] < math.log(10)  # below chance: it learned, through the takeover
 
 
 def test_a_killed_standby_leaves_the_coordinator_training_without_one() -> None:
