@@ -94,7 +94,7 @@ class FollowError(TrainingError):
 class TakeOver:
     """The standby's coordinator was silent too long: go on from `state` in `term`.
     `generation`: where its weights are the coordinator's own set, that set's generation
-    when replicated (0: they came as bytes); `check` reads it again, after the copy."""
+    when replicated (0: they came as bytes), which `torn` reads again after the copy."""
 
     state: dict[str, Any]
     term: int
@@ -166,7 +166,12 @@ class Standbys:
             return
         started = self._clock.monotonic()
         made = state()
-        skeleton, tensors = flatten(made)
+        try:
+            skeleton, tensors = flatten(made)
+        except TreeError as e:  # (an optimizer that keeps what is not a tensor or a plain value)
+            log.error("this run's state cannot be replicated (%s): going on without a standby", e)
+            self.drop()
+            return
         # A standby of this host reads the weights where they lie (the newest version's set,
         # which no step writes again: nodes.master), with the set's generation to check.
         pool = self._shared_pool if self.by_reference else None
@@ -210,7 +215,10 @@ class Standbys:
         deadline = self._clock.monotonic() + seconds
         peer = f"standby at {self.endpoint}"
         sent = encode(dataclasses.replace(message, request=request), refer=refer)
-        tracker = await _within(client.send(sent), seconds)
+        try:
+            tracker = await _within(client.send(sent), seconds)
+        except TimeoutError:  # (a DEALER whose peer is gone, its queue full, blocks in send)
+            raise PeerTimeoutError(peer, f"sending {what}", seconds) from None
         while True:
             left = deadline - self._clock.monotonic()
             if left <= 0:
