@@ -15,8 +15,10 @@ from typing import Final
 # names carry their creator's start time (bus.shared.sweep); 8: the Welcome's seed; 9: a
 # push says its shard's length once known (data() without len()); 10: the model's buffers
 # ride with pushes and weights (header key "b"), the Welcome's clip_grad_norm and
-# precision, a push's fp16 overflows; 11: Describe (a script's own loop), a push's lrs
-PROTOCOL_VERSION: Final = 11
+# precision, a push's fp16 overflows; 11: Describe (a script's own loop), a push's lrs;
+# 12: pipeline stages (Peers, Activations, ActivationGrads; a Join's stage and inbox, a
+# Welcome's micro-batches and schedule), a push's peak memory and a stage's busy time
+PROTOCOL_VERSION: Final = 12
 
 
 def _build() -> str:
