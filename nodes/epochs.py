@@ -83,6 +83,12 @@ class RankData:
         assert self.epochs is not None
         return self.epochs.length
 
+    def passed(self) -> None:
+        """A batch of this shard was used elsewhere (a pipeline's first stage draws the
+        batches its other stages work on): counted as taken, not read."""
+        assert self.epochs is not None
+        self.epochs.position += 1
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch, moved to the device (on the compute thread)."""
         assert self.epochs is not None

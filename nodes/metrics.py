@@ -56,6 +56,8 @@ class Metrics:
         self.stopped_by: str | None = None  # what asked for the stop before the end (a signal)
         self.checkpoint: str | None = None  # the last checkpoint written
         self.unused = 0  # samples each epoch leaves out, as the workers' data says
+        # Sections of the summary that the run's launcher adds (run.pipelines: "pipeline").
+        self.sections: dict[str, Any] = {}
 
     def worker(self, rank: int) -> dict[str, float]:
         """The counters of one worker, made on first use."""
@@ -63,7 +65,7 @@ class Metrics:
             self.per_worker[rank] = {"joins": 0, "pushes": 0, "by_reference": 0,
                                      "applied": 0, "dropped": 0,
                                      "held_s": 0.0, "compute_s": 0.0, "comm_s": 0.0,
-                                     "wait_s": 0.0}
+                                     "wait_s": 0.0, "peak_bytes": 0}
         return self.per_worker[rank]
 
     def resumed(self, version: int, samples: int, path: str) -> None:
@@ -132,6 +134,7 @@ class Metrics:
                 str(rank): {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
                 for rank, c in sorted(self.per_worker.items())
             },
+            **self.sections,
             **evaluation,
         }
 
