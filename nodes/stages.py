@@ -82,7 +82,10 @@ def cut(modules: Sequence[nn.Module], count: int, source: str = "the SPEC") -> l
         if not isinstance(module, nn.Module):
             raise StagesError(f"{source}: stages() item {i} is a {type(module).__name__}, not "
                               "a torch.nn.Module")
-    groups = group([parameters_of(m) for m in modules], count)
+    try:
+        groups = group([parameters_of(m) for m in modules], count)
+    except StagesError as e:
+        raise StagesError(f"{source}: {e}") from None
     return [Stage(*(modules[i] for i in g)) for g in groups]
 
 

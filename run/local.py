@@ -92,6 +92,11 @@ def launch_local(
                 torch.set_num_threads(per_worker)  # this process is worker 0
                 return runner.run(launch_colocated(str(spec), options, on_step, per_worker,
                                                    log_level, status, debug, devices, forks))
+            if options.pipeline > 1:
+                from tensorbus.run.pipelines import launch_pipelines  # it builds on this module
+
+                return runner.run(launch_pipelines(str(spec), options, on_step, threads,
+                                                   log_level, status, debug, devices, forks))
             return runner.run(_launch(str(spec), options, on_step, threads, log_level, status,
                                       debug, devices, forks))
     finally:
