@@ -341,6 +341,9 @@ class Activations(Message):
     micro: int
     outputs: int  # how many of the tensors are outputs; the one after them is the targets
     batch: int  # samples in the whole batch (the micro-batch's share of the loss is n_m / n)
+    # Batches per epoch of the pipeline's shard, as the first stage knows it (-1: not yet, a
+    # data() without len() in its first pass): the other stages, which draw no batches, learn it.
+    shard: int = -1
 
 
 @dataclass(frozen=True, kw_only=True)

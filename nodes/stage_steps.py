@@ -117,8 +117,7 @@ class StageSteps(LocalSteps):
                                    "lower --micro-batches")
             cut = list(zip(torch.tensor_split(inputs, self.micro_batches),
                            torch.tensor_split(targets, self.micro_batches), strict=True))
-        else:
-            self._data.passed()  # (the first stage drew it: nodes.epochs counts it here too)
+        passed = not first  # (the first stage drew the batch: counted here once its part comes)
         # micro -> what its backward needs: (inputs, outputs, targets' size) or the weighted loss
         kept: dict[int, Any] = {}
         loss, samples, held = 0.0, 0, 0
@@ -134,6 +133,9 @@ class StageSteps(LocalSteps):
                     received = tuple(_whole(t) for t in message.tensors[:message.outputs])
                     targets_m = _whole(message.tensors[message.outputs])
                     batch = message.batch
+                    if passed:
+                        self._data.passed(message.shard)
+                        passed = False
                 started = self._clock.monotonic()
                 kept[action.micro] = self._forward(step, action.micro, received, targets_m,
                                                    batch, last)
@@ -191,7 +193,7 @@ class StageSteps(LocalSteps):
                                "return a tensor or a tuple of tensors")
         self._neighbours.send(Activations(
             sender=self._rank, version=0, stage=self.stage, step=step, micro=micro,
-            outputs=len(sent), batch=batch,
+            outputs=len(sent), batch=batch, shard=self._data.length,
             tensors=(*(t.detach().contiguous() for t in sent), targets.contiguous())))
         return inputs, tuple(sent)
 

@@ -248,6 +248,9 @@ def _new_worker(args: argparse.Namespace, spec: Any, config: WorkerConfig) -> Wo
     if args.stage is None:
         return Worker(model=spec.build_model(), **common)
     stage, stages = args.stage
+    if config.device != "cpu":
+        raise ValueError(f"--stage runs on the CPU only, for now (a stage's activations are not "
+                         f"yet moved to and from a GPU), not {config.device}: give --device cpu")
     if spec.stages is None:
         raise SpecError(f"SPEC {spec.source}: --stage {stage}/{stages} needs stages() -> list "
                         "of torch.nn.Module, the model cut into modules that run in sequence: "

@@ -81,6 +81,9 @@ def launch_local(
         raise ValueError("--precision fp16-mixed needs CUDA, and "
                          + ("this machine has none" if count == 0 else "--device puts workers on the CPU")
                          + ": use bf16-mixed (or the GPUs)")
+    if options.pipeline > 1 and any(d != "cpu" for d in devices):
+        raise ValueError("--pipeline runs its stages on the CPU only, for now (a stage's "
+                         "activations are not yet moved to and from a GPU): give --device cpu")
     # With --colocate this process is worker 0: the others are processes.
     forks = _forks(options.workers - (1 if options.colocate else 0), devices) if fork else None
     try:

@@ -33,8 +33,9 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
-async def _train(stages: int, pipelines: int, micro: int, steps: int, *, schedule: str = "1f1b",
-                 average_every: int = 0) -> tuple[list[Coordinator], list[dict[str, Any]]]:
+async def _train(stages: int, pipelines: int, micro: int, steps: int | None, *,
+                 schedule: str = "1f1b", average_every: int = 0, epochs: int | None = None,
+                 data: Any = spec.data) -> tuple[list[Coordinator], list[dict[str, Any]]]:
     torch.manual_seed(0)
     models = cut(spec.stages(), stages)
     directory = PipelineDirectory(stages)
@@ -46,7 +47,8 @@ async def _train(stages: int, pipelines: int, micro: int, steps: int, *, schedul
 
     coordinators = [
         Coordinator(model=models[s], strategy=strategy(),
-                    config=CoordinatorConfig(batch_size=BATCH, steps=steps, pipeline=stages,
+                    config=CoordinatorConfig(batch_size=BATCH, steps=steps, epochs=epochs,
+                                             pipeline=stages,
                                              stage=s, micro_batches=micro, schedule=schedule,
                                              heartbeat_s=0.1, timeout_s=5.0),
                     optimizer=_sgd, directory=directory)
@@ -54,7 +56,7 @@ async def _train(stages: int, pipelines: int, micro: int, steps: int, *, schedul
     endpoints = [c.bind() for c in coordinators]
     workers = [
         StageWorker(stage=s, stages=stages, model=build_stage(spec.stages, s, stages),
-                    data=spec.data, loss=spec.loss, optimizer=_sgd,
+                    data=data, loss=spec.loss, optimizer=_sgd,
                     config=WorkerConfig(connect=endpoints[s], rank=d, request_timeout_s=5.0))
         for d in range(pipelines) for s in range(stages)]
     results = await asyncio.gather(*(c.run() for c in coordinators), *(w.run() for w in workers))
@@ -119,3 +121,13 @@ def test_average_with_one_pipeline_is_local_sgd_on_the_whole_model() -> None:
     reference = _single_process(steps * every, 1, micro)
     assert [s["steps"] for s in summaries] == [steps, steps]
     assert _difference(whole([c.model for c in coordinators]), reference) < 1e-5
+
+
+def test_under_epochs_the_stages_that_draw_no_batches_learn_a_generator_s_length() -> None:
+    # data() without len(): only the first stage reads it, and tells the others its length
+    # once its first pass has ended, so that every stage's coordinator ends at 2 epochs.
+    def generated(rank: int, world_size: int, batch_size: int) -> Any:
+        yield from list(spec.data(rank, world_size, batch_size))[:5]
+
+    _, summaries = asyncio.run(_train(2, 1, 2, None, epochs=2, data=generated))
+    assert [s["steps"] for s in summaries] == [10, 10]

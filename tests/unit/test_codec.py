@@ -186,7 +186,8 @@ SAMPLES = {
     Kind.PEERS: Peers(sender=1, request=22, version=2, previous="tcp://127.0.0.1:40001",
                       next="tcp://127.0.0.1:40003"),
     Kind.ACTIVATIONS: Activations(sender=1, request=23, version=5, stage=1, step=6, micro=3,
-                                  outputs=1, batch=16, tensors=(torch.randn(4, 3, 2), torch.arange(4))),
+                                  outputs=1, batch=16, shard=94,
+                                  tensors=(torch.randn(4, 3, 2), torch.arange(4))),
     Kind.ACTIVATION_GRADS: ActivationGrads(sender=1, request=24, version=5, stage=2, step=6,
                                            micro=3, loss=0.625, tensors=(torch.randn(4, 3, 2),)),
 }
