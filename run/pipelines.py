@@ -249,7 +249,7 @@ async def launch_pipelines(
         run = serve_stages(options, coordinators)
         if status is not None:
             run = status.around(coordinators[0], run)
-        training = asyncio.create_task(stopping_on_signals(coordinators, run))
+        training = asyncio.create_task(stopping_on_signals(_AllStages(coordinators), run))
         either: set[asyncio.Future[Any]] = {training, failure}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
@@ -271,6 +271,20 @@ async def launch_pipelines(
         await asyncio.gather(*relays, return_exceptions=True)
         if any(p.returncode != 0 for p in workers):
             sweep()
+
+
+class _AllStages:
+    """Every stage's coordinator, stopped by a signal at one version: the newest any has
+    made (the others are at most a step behind, their pushes for it under way), so that the
+    checkpoints and the model saved are of one step."""
+
+    def __init__(self, coordinators: list[Coordinator]) -> None:
+        self._coordinators = coordinators
+
+    def request_stop(self, why: str) -> None:
+        at = max(c.version for c in self._coordinators)
+        for c in self._coordinators:
+            c.request_stop(why, at_version=at)
 
 
 async def _relay(pipeline: int, stage: int, process: Process, pipelines: Pipelines) -> None:
