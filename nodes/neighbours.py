@@ -30,7 +30,6 @@ from typing import Any, Final
 
 from tensorbus.bus.clock import SYSTEM_CLOCK, Clock
 from tensorbus.bus.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
-from tensorbus.bus.deadline import within
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.messages import ActivationGrads, Activations, Heartbeat, Kind, Message
 from tensorbus.bus.transport import Hub, ZmqRouter, ZmqSender
@@ -249,10 +248,11 @@ class Neighbours:
                         self.pipeline, what, self.refused)
 
     async def _send(self, offset: int, frames: list[Any], what: str) -> None:
-        sender = self._senders[offset]
-        await within(sender.send(frames), self.timeout_s,
-                     peer=f"stage {self.stage + offset} of pipeline {self.pipeline}",
-                     waiting_for=f"sending {what}")
+        try:
+            await asyncio.wait_for(self._senders[offset].send(frames), self.timeout_s)
+        except TimeoutError:  # (its inbox takes nothing: it is gone, or stalled)
+            raise NeighbourLost(self.stage + offset, self.pipeline, self.timeout_s,
+                                f"its inbox to take the {what}") from None
 
     # The compute thread's side ----------------------------------------------------------
 
@@ -262,7 +262,8 @@ class Neighbours:
         offset = -_FROM[message.KIND]
         frames = encode(message, chunk_bytes=self._max_bytes)  # (a frame a tensor)
         assert self._loop is not None
-        what = f"{message.KIND.name} of micro-batch {message.micro} of step {message.step}"
+        what = (f"{'activations' if message.KIND is Kind.ACTIVATIONS else 'gradients'} of "
+                f"micro-batch {message.micro} of step {message.step}")
         self._sent.append(asyncio.run_coroutine_threadsafe(self._send(offset, frames, what),
                                                            self._loop))
 

@@ -29,6 +29,7 @@ whose activations it held at once (`held`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,10 +47,13 @@ from tensorbus.nodes.pipeline_order import Action, Op, Schedule, order
 class StageSteps(LocalSteps):
     """LocalSteps whose step is a pipeline stage's part of a batch."""
 
-    def __init__(self, *, neighbours: Neighbours, clock: Clock = SYSTEM_CLOCK, **local: Any) -> None:
+    def __init__(self, *, neighbours: Neighbours, clock: Clock = SYSTEM_CLOCK,
+                 version: Callable[[], int] = lambda: 0, **local: Any) -> None:
+        """`version`: the version of the stage's weights now (what its activations say)."""
         super().__init__(**local)
         self._neighbours = neighbours
         self._clock = clock
+        self._version = version
         self.stage, self.stages = neighbours.stage, neighbours.stages
         self.micro_batches = 0  # (the Welcome's, once configured)
         self._order: list[Action] = []
@@ -112,7 +116,7 @@ class StageSteps(LocalSteps):
             inputs, targets = self._data.next()
             batch = len(inputs)
             if batch < self.micro_batches:
-                raise ComputeError(f"stage 0: a batch of {batch} samples cannot be cut into "
+                raise ComputeError(f"{self._name}: a batch of {batch} samples cannot be cut into "
                                    f"{self.micro_batches} micro-batches: raise --batch-size or "
                                    "lower --micro-batches")
             cut = list(zip(torch.tensor_split(inputs, self.micro_batches),
@@ -160,6 +164,11 @@ class StageSteps(LocalSteps):
         self.held = held
         return loss, samples
 
+    @property
+    def _name(self) -> str:
+        """How errors name this stage's worker."""
+        return f"stage {self.stage} of pipeline {self._rank}"
+
     def _take(self, kind: Kind, step: int, micro: int) -> Any:
         what = ("the activations" if kind is Kind.ACTIVATIONS else "the gradients") + \
             f" of micro-batch {micro} of step {step}"
@@ -177,22 +186,22 @@ class StageSteps(LocalSteps):
                 if last:
                     value = self.loss(outputs, targets)
         except Exception as e:
-            raise ComputeError(f"stage {self.stage}, worker {self._rank}: forward"
+            raise ComputeError(f"{self._name}: forward"
                                f"{' or loss' if last else ''} raised {type(e).__name__}: {e}") from e
         if last:
             if not (isinstance(value, torch.Tensor) and value.numel() == 1):
                 raise ComputeError(
-                    f"stage {self.stage}, worker {self._rank}: loss(output, target) returned "
+                    f"{self._name}: loss(output, target) returned "
                     f"{NotALoss(value)}, not a tensor of one element: return the loss over the "
                     "batch as a tensor (its mean, as torch.nn.functional.cross_entropy gives)")
             return inputs, value * (len(targets) / batch)
         sent = outputs if isinstance(outputs, tuple | list) else (outputs,)
         if not sent or not all(isinstance(t, torch.Tensor) for t in sent):
-            raise ComputeError(f"stage {self.stage}, worker {self._rank}: the stage returned "
+            raise ComputeError(f"{self._name}: the stage returned "
                                f"{type(outputs).__name__}: a stage that is not the last must "
                                "return a tensor or a tuple of tensors")
         self._neighbours.send(Activations(
-            sender=self._rank, version=0, stage=self.stage, step=step, micro=micro,
+            sender=self._rank, version=self._version(), stage=self.stage, step=step, micro=micro,
             outputs=len(sent), batch=batch, shard=self._data.length,
             tensors=(*(t.detach().contiguous() for t in sent), targets.contiguous())))
         return inputs, tuple(sent)
@@ -209,7 +218,7 @@ class StageSteps(LocalSteps):
                 floats = [t for t in made if t.is_floating_point()]
                 if len(floats) != len(gradients):
                     raise ComputeError(
-                        f"stage {self.stage}: {len(gradients)} gradients came back for "
+                        f"{self._name}: {len(gradients)} gradients came back for "
                         f"{len(floats)} floating-point outputs of micro-batch {micro}")
                 pairs = [(t, g) for t, g in zip(floats, gradients, strict=True) if t.requires_grad]
                 if pairs:
@@ -217,7 +226,7 @@ class StageSteps(LocalSteps):
         except ComputeError:
             raise
         except Exception as e:
-            raise ComputeError(f"stage {self.stage}, worker {self._rank}: backward raised "
+            raise ComputeError(f"{self._name}: backward raised "
                                f"{type(e).__name__}: {e}") from e
         if self.stage > 0:
             back = tuple((x.grad if x.grad is not None else torch.zeros_like(x)).contiguous()

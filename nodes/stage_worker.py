@@ -77,7 +77,8 @@ class StageWorker(Worker):
                 else f"a worker of stage {self.stage} with no pipeline yet")
 
     def _new_steps(self, **parts: Any) -> LocalSteps:
-        return StageSteps(neighbours=self._neighbours, clock=self._clock, **parts)
+        return StageSteps(neighbours=self._neighbours, clock=self._clock,
+                          version=lambda: self.version, **parts)
 
     async def run(self) -> Any:
         self.links[0].inbox = self._neighbours.bind()
