@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from tensorbus.bus.messages import ActivationGrads, Activations, Kind
+from tensorbus.bus.messages import ActivationGrads, Activations, Join, Kind, RejectCode
+from tensorbus.nodes.admission import refusal
 from tensorbus.nodes.neighbours import Mailbox
 from tensorbus.nodes.pipeline_directory import PipelineDirectory
 from tensorbus.nodes.stages import Stage, StagesError, build_stage, cut, group, whole
@@ -165,9 +166,6 @@ def test_a_take_lets_go_of_what_came_for_earlier_steps() -> None:
 
 
 def test_a_worker_of_another_stage_is_refused_before_its_layout_is_compared() -> None:
-    from tensorbus.bus.messages import Join, RejectCode
-    from tensorbus.nodes.admission import refusal
-
     same = "0f1e2d3c4b5a6978"  # (stages of identical blocks have one layout)
     wrong = refusal(Join(layout=same, stage=2, stages=4), layout=same, model=None, stage=(1, 4))
     assert wrong is not None and wrong.code is RejectCode.LAYOUT
