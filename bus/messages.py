@@ -40,6 +40,9 @@ class Kind(enum.IntEnum):
     DESCRIBE = 15  # worker -> coordinator: the model and optimizer it trains (answered by ACK)
     FOLLOW = 16  # standby -> coordinator: I follow you (answered by ACK); from a newer term: step down
     REPLICA = 17  # coordinator -> standby: the run's state at `version`, before it is published
+    PEERS = 18  # stage worker <-> coordinator: where the stages beside it in its pipeline listen
+    ACTIVATIONS = 19  # stage worker -> the next stage's: a micro-batch's outputs (and targets)
+    ACTIVATION_GRADS = 20  # stage worker -> the previous stage's: the gradients of those outputs
 
 
 class RejectCode(str, enum.Enum):
@@ -131,6 +134,11 @@ class Join(Message):
     layout: str = ""  # digest of the worker's model layout; must equal the coordinator's
     build: str = ""  # the tensorbus release of the worker
     shared: str = ""  # its bus.shared.HostToken's offer: it would push by reference ("": not)
+    # A pipeline stage's worker (nodes.stage_worker): its stage of `stages`, and where the
+    # stages beside it reach it (its inbox); a worker of the whole model: stage 0 of 1, "".
+    stage: int = 0
+    stages: int = 1
+    inbox: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +183,10 @@ class Welcome(Message):
     precision: str = ""  # the forward's autocast: "", "bf16-mixed" or "fp16-mixed"
     # Where a standby coordinator serves, for the worker to move to if this one is lost ("": none).
     standby: str = ""
+    # A pipeline stage's worker: the micro-batches a batch is cut into, and the order its
+    # stage runs them in (nodes.pipeline_order.Schedule: "1f1b" or "gpipe").
+    micro_batches: int = 1
+    schedule: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +218,13 @@ class Push(Message):
     # A script's own loop (nodes.own_loop): its optimizer's learning rates, one a parameter
     # group, as JSON, which the coordinator's copy of it steps with ("": not a script).
     lrs: str = ""
+    peak_bytes: int = 0  # the worker process's peak resident memory so far (its high-water mark)
+    # A pipeline stage's worker: seconds in its forward and backward passes alone, the
+    # seconds from its first one's start to its last one's end, and the most micro-batches
+    # whose activations it held at once (nodes.stage_steps).
+    busy_s: float = 0.0
+    span_s: float = 0.0
+    held: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -334,6 +353,52 @@ class Result(Message):
     detail: str = ""  # timeout: the ranks missing; mismatch: who called what
 
 
+@dataclass(frozen=True, kw_only=True)
+class Peers(Message):
+    """Asked by a stage worker of its stage's coordinator (with both fields empty), and
+    answered with the inboxes of the same pipeline's stages beside it, those known yet
+    ("": not joined yet, or none: the first stage has no previous, the last no next)."""
+
+    KIND = Kind.PEERS
+    previous: str = ""
+    next: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Activations(Message):
+    """Stage `stage`'s outputs for micro-batch `micro` of its step `step`, then that
+    micro-batch's targets (which the last stage's loss takes), to the next stage of the
+    same pipeline (`sender`: the pipeline's rank). Tensors of any shape, one frame each;
+    `version`: the version of the sending stage's weights."""
+
+    KIND = Kind.ACTIVATIONS
+    CARRIES_TENSORS = True
+    OF_THE_LAYOUT = False
+    stage: int
+    step: int
+    micro: int
+    outputs: int  # how many of the tensors are outputs; the one after them is the targets
+    batch: int  # samples in the whole batch (the micro-batch's share of the loss is n_m / n)
+    # Batches per epoch of the pipeline's shard, as the first stage knows it (-1: not yet, a
+    # data() without len() in its first pass): the other stages, which draw no batches, learn it.
+    shard: int = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationGrads(Message):
+    """The gradients of the loss with respect to the floating-point outputs that stage
+    `stage` - 1 sent for micro-batch `micro` of step `step`, in their order, from stage
+    `stage`; and that micro-batch's share of the batch's loss, as the last stage found it."""
+
+    KIND = Kind.ACTIVATION_GRADS
+    CARRIES_TENSORS = True
+    OF_THE_LAYOUT = False
+    stage: int
+    step: int
+    micro: int
+    loss: float
+
+
 ENVELOPE: Final = frozenset(f.name for f in fields(Message))
 
 
@@ -346,7 +411,8 @@ def _field_types(cls: type[Message]) -> dict[str, type]:
 SCHEMA: Final[dict[Kind, tuple[type[Message], dict[str, type]]]] = {
     cls.KIND: (cls, _field_types(cls))
     for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject,
-                Collective, Result, Changes, Describe, Follow, Replica)
+                Collective, Result, Changes, Describe, Follow, Replica, Peers, Activations,
+                ActivationGrads)
 }
 # The most tensors a message of any kind may carry (the codec's bound on a header's arrays).
 MOST_TENSORS: Final = max(cls.MAX_TENSORS for cls, _ in SCHEMA.values())

@@ -17,7 +17,9 @@ from typing import Final
 # ride with pushes and weights (header key "b"), the Welcome's clip_grad_norm and
 # precision, a push's fp16 overflows; 11: Describe (a script's own loop), a push's lrs;
 # 12: a standby coordinator (Follow, Replica, the standby named in Welcome and Heartbeat, a
-# Stop that moves workers, the not_yet refusal)
+# Stop that moves workers, the not_yet refusal); pipeline stages (Peers, Activations,
+# ActivationGrads; a Join's stage and inbox, a Welcome's micro-batches and schedule), a
+# push's peak memory and a stage's busy time
 PROTOCOL_VERSION: Final = 12
 
 

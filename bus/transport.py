@@ -351,13 +351,18 @@ class ZmqServer:
 
 class ZmqRouter:
     """A lone ROUTER: a rendezvous that answers requests and publishes nothing (the
-    collectives of custom loops, see nodes.rendezvous)."""
+    collectives of custom loops, see nodes.rendezvous), or a pipeline stage's inbox, which
+    its neighbours' `ZmqSender`s send to (nodes.neighbours)."""
 
-    def __init__(self, bind: str, *, max_message_bytes: int, keys: ServerKeys | None = None) -> None:
+    def __init__(self, bind: str, *, max_message_bytes: int, keys: ServerKeys | None = None,
+                 hub: Hub | None = None) -> None:
+        """`hub`: this process's shared context, else one of its own (whose I/O thread is
+        one more thread)."""
         host, port = split_endpoint(bind)
-        self._context: zmq.Context[Any] = zmq.Context()
+        self._hub = hub
+        self._context: zmq.Context[Any] = hub.context if hub is not None else zmq.Context()
         self._gate: KeyGate | None = None
-        (self._requests,) = _new_sockets(self._context, [zmq.ROUTER], own_context=True)
+        (self._requests,) = _new_sockets(self._context, [zmq.ROUTER], own_context=hub is None)
         self._router = self._requests.socket
         try:
             if keys is not None:
@@ -392,7 +397,38 @@ class ZmqRouter:
             self._gate = None
         linger = round(linger_s * 1000)
         self._requests.close(linger=linger)
-        self._context.destroy(linger=linger)
+        if self._hub is None:  # (a hub's context outlives us)
+            self._context.destroy(linger=linger)
+
+
+class ZmqSender:
+    """A lone DEALER that only sends, to one ROUTER, which reads `routing_id` as the name of
+    whoever sent (a pipeline stage's link to a neighbour's inbox: nodes.neighbours). Until
+    the connection is made, messages queue (up to ZeroMQ's high-water mark, then a send
+    waits: give it a deadline)."""
+
+    def __init__(self, connect: str, *, routing_id: bytes, hub: Hub | None = None) -> None:
+        split_endpoint(connect)
+        self.endpoint = connect
+        self._hub = hub
+        self._context: zmq.Context[Any] = hub.context if hub is not None else zmq.Context()
+        (self._requests,) = _new_sockets(self._context, [zmq.DEALER], own_context=hub is None)
+        try:
+            socket = self._requests.socket
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.ROUTING_ID, routing_id)
+            socket.connect(connect)
+        except BaseException:
+            self.close()
+            raise
+
+    async def send(self, frames: Frames) -> Tracker | None:
+        return await _send(self._requests, frames)
+
+    def close(self) -> None:
+        self._requests.close()
+        if self._hub is None:
+            self._context.destroy(linger=0)
 
 
 class ZmqClient:

@@ -38,12 +38,22 @@ class Refusal:
     detail: str
 
 
-def refusal(join: Join | Describe, *, layout: str, model: object) -> Refusal | None:
-    """Why `join` (or a script's Describe) is refused for its build or its layout
-    (`layout`: ours), or None."""
+def refusal(join: Join | Describe, *, layout: str, model: object,
+            stage: tuple[int, int] = (0, 1)) -> Refusal | None:
+    """Why `join` (or a script's Describe) is refused for its build, its pipeline stage
+    (`stage`: ours, of how many) or its layout (`layout`: ours), or None."""
     if join.build not in ("", UNKNOWN_BUILD, BUILD) and BUILD != UNKNOWN_BUILD:
         return Refusal(RejectCode.BUILD, f"the worker runs tensorbus {join.build}, the "
                                          f"coordinator {BUILD}: install the same release on both")
+    asked = (join.stage, join.stages) if isinstance(join, Join) else (0, 1)
+    if asked != stage:
+        # (Before the layout: stages of one model may have one layout, identical blocks say.)
+        def said(s: tuple[int, int]) -> str:
+            return "the whole model" if s == (0, 1) else f"stage {s[0]} of {s[1]}"
+        return Refusal(RejectCode.LAYOUT, (
+            f"this coordinator serves {said(stage)}, and the worker holds {said(asked)}: "
+            "connect each stage's workers to that stage's coordinator, with the same "
+            "--pipeline everywhere"))
     if join.layout == layout:
         return None
     if isinstance(model, ShardModel):
@@ -75,6 +85,8 @@ def welcome(join: Join, rank: int, *, strategy: Strategy, config: CoordinatorCon
                 else ""),
         seed=config.seed, clip_grad_norm=config.clip_grad_norm or 0.0,
         precision=config.precision, standby=standby,
+        micro_batches=config.micro_batches if config.pipeline > 1 else 1,
+        schedule=config.schedule if config.pipeline > 1 else "",
     )
 
 

@@ -66,8 +66,22 @@ class CoordinatorConfig:
     # The run ends once every worker has left having ended well (scripts that bring their
     # own loop: nodes.own_loop), not at a number of steps or epochs, which may not be given.
     until_workers_leave: bool = False
+    # A coordinator of one pipeline stage (nodes.stage_worker): it serves stage `stage`
+    # (from 0) of `pipeline`, its workers one a pipeline, each cutting a batch into
+    # `micro_batches` and running them in the order `schedule` says (nodes.pipeline_order).
+    pipeline: int = 1
+    stage: int = 0
+    micro_batches: int = 1
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
+        if self.pipeline < 1 or not 0 <= self.stage < self.pipeline:
+            raise ValueError(f"stage {self.stage} of pipeline {self.pipeline}: need "
+                             "0 <= stage < pipeline")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule {self.schedule!r}: choose from 1f1b, gpipe")
         if self.first_rank < 0:
             raise ValueError(f"first_rank must be at least 0, got {self.first_rank}")
         if self.world_size is not None and self.world_size < 1:

@@ -54,6 +54,7 @@ from tensorbus.bus.messages import (
     Join,
     Leave,
     Message,
+    Peers,
     Phase,
     Pull,
     Push,
@@ -95,6 +96,7 @@ from tensorbus.nodes.model_buffers import ServedBuffers
 from tensorbus.nodes.next_version import NextVersion, NoNextVersion
 from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.nodes.parking import Parking
+from tensorbus.nodes.pipeline_directory import PipelineDirectory
 from tensorbus.nodes.publisher import Publisher
 from tensorbus.nodes.replication import Ended, FollowError, Following, Standbys, StepDownNotice
 from tensorbus.nodes.run_checkpoints import RunCheckpoints
@@ -164,6 +166,8 @@ class Coordinator:
         server: ServerTransport | None = None,
         next_version: NextVersion | None = None,
         client: ClientFactory = ZmqClient,
+        directory: PipelineDirectory | None = None,
+        on_lost: Callable[[int, str], Awaitable[None]] | None = None,
     ) -> None:
         """`hub`: this process's shared ZeroMQ context, to be reachable in-process too
         (by the worker beside a colocated shard: see nodes.colocated). `pool`: the buffer
@@ -178,7 +182,11 @@ class Coordinator:
         steps its own, and it is not used here. `server`: sockets bound already, to
         serve on (nodes.serving), in place of binding `config.bind`. `next_version`: where
         each next version comes from, in place of an optimizer step here (a relay's: see
-        nodes.next_version for what that changes)."""
+        nodes.next_version for what that changes). `directory`: where
+        the stage workers of a run's pipelines listen, shared by its stage coordinators
+        (a coordinator of stage `config.stage`: nodes.pipeline_directory). `on_lost`:
+        awaited with a worker's rank and why, once it is lost (killed, or silent), after
+        its removal (a stage coordinator's launcher stops that worker's pipeline)."""
         if isinstance(model, ShardModel) and (config.eval_every_s or config.eval_every_epochs):
             raise ValueError("eval_every_s evaluates the whole model during training, and a "
                              "shard holds a range of it: evaluate after training the model "
@@ -199,6 +207,11 @@ class Coordinator:
         self.version = 0
         self._evaluate = evaluate
         self._on_step = on_step
+        self._directory = directory
+        self._on_lost = on_lost
+        if directory is not None and directory.stages != config.pipeline:
+            raise ValueError(f"a directory of {directory.stages} stages for a coordinator of "
+                             f"stage {config.stage} of {config.pipeline}")
         # What pushes must look like: the model's layout, compressed if asked.
         compression = Compression.parse(config.compress)
         compression.check(weights_pushed, strategy.name)
@@ -428,7 +441,7 @@ class Coordinator:
                 raise
         self._buffers.refresh()
         if self._standbys.term or self._standbys.replicated:  # (a run that had a standby)
-            self.metrics.standby = self._standbys.summary()
+            self.metrics.sections["standby"] = self._standbys.summary()
         return summarize(self._evals, self._evaluate, self.master, self.metrics)
 
     async def _guard(self, coroutine: Any) -> None:
@@ -556,6 +569,15 @@ class Coordinator:
                     await self._serving.reply(peer, Weights(request=message.request, version=self.version))
                 else:
                     await self._serving.publisher.send(peer, Weights(request=message.request))
+            case Peers():
+                if self._directory is None:
+                    await self._refuse(peer, message, RejectCode.UNEXPECTED,
+                                       "this coordinator serves no pipeline stage")
+                else:
+                    previous, following = self._directory.neighbours(self.config.stage, member.rank)
+                    await self._serving.reply(peer, Peers(request=message.request,
+                                                          version=self.version,
+                                                          previous=previous, next=following))
             case Leave(reason=reason, detail=detail):
                 await self._serving.reply(peer, Ack(request=message.request, version=self.version))
                 self._rejections.left(peer)
@@ -603,7 +625,8 @@ class Coordinator:
         if self.state is State.STOPPING:
             await self._serving.reply(peer, self._ending.answer(message.request, self.version))
             return
-        refused = admission.refusal(message, layout=self.flat.layout.digest, model=self.model)
+        refused = admission.refusal(message, layout=self.flat.layout.digest, model=self.model,
+                                    stage=(self.config.stage, self.config.pipeline))
         if refused is not None:
             await self._refuse(peer, message, refused.code, refused.detail)
             return
@@ -616,6 +639,9 @@ class Coordinator:
             log.info("worker %d joined (%s, build %s)", admitted.rank, self._members.name(peer),
                      message.build)
             self.metrics.worker(admitted.rank)["joins"] += 1
+        if self._directory is not None and message.inbox:
+            self._directory.place(self.config.stage, admitted.rank, message.inbox)
+            admitted.inbox = message.inbox
         welcome = admission.welcome(
             message, admitted.rank, strategy=self.strategy, config=self.config,
             world_size=self._members.world_size, pub_port=self._serving.server.pub_port, lr=self.lr,
@@ -885,6 +911,8 @@ class Coordinator:
         fails here if too few are left (`_check_minimum`)."""
         # A departed worker's kept update stays held: the strategy may still count it.
         self._members.remove(member)
+        if self._directory is not None:  # (not sent to it by its neighbours any more)
+            self._directory.forget(self.config.stage, member.rank, member.inbox)
         self.watch.left(member.rank)
         await self._parking.removed(member.rank, why)
         if lost:
@@ -898,6 +926,8 @@ class Coordinator:
             log.warning("%s %s", member.describe(), why)
             if self._serving.segments is not None:  # a killed worker's segments: unlinked by nobody else
                 sweep()
+            if self._on_lost is not None:
+                await self._on_lost(member.rank, why)
         else:
             log.log(logging.WARNING if warn else logging.INFO, "%s %s", member.describe(), why)
         if finished:

@@ -83,6 +83,16 @@ class RankData:
         assert self.epochs is not None
         return self.epochs.length
 
+    def passed(self, length: int) -> None:
+        """A batch of this shard was used elsewhere (a pipeline's first stage draws the
+        batches its other stages work on): counted as taken, not read; `length`: the
+        shard's batches an epoch as the drawer knows them (-1: not yet), learnt here where
+        this shard's is not known (a data() without len(), never read here)."""
+        assert self.epochs is not None
+        self.epochs.position += 1
+        if self.epochs.length < 0 < length:
+            self.epochs.length = length
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch, moved to the device (on the compute thread)."""
         assert self.epochs is not None

@@ -76,6 +76,7 @@ class FlatModel:
         # Backward-time bookkeeping (see begin_backward): written by the hooks, which run
         # on the thread that runs backward, and read there or after backward returned.
         self._fired = [False] * len(self._params)
+        self._adding = False  # between backwards of one step: fresh gradients are added (see accumulate)
         self._touches: list[tuple[int, ...]] = [() for _ in self._params]  # param -> ranges
         self._left: list[int] = []  # parameters each watched range still waits for
         self._on_ready: OnReady | None = None
@@ -186,6 +187,7 @@ class FlatModel:
         for param in self._params:
             param.grad = None
         self._fired = [False] * len(self._params)
+        self._adding = False
         if self._on_ready is not None:
             self._left = [0] * self._ranges
             for index, param in enumerate(self._params):
@@ -196,13 +198,25 @@ class FlatModel:
                 if left == 0:
                     self._on_ready(r)
 
+    def accumulate(self) -> None:
+        """Before another backward of the same step (a pipeline stage's next micro-batch:
+        nodes.stage_steps): its fresh gradients are added into the flat set by the hooks,
+        in place. (Left to autograd, a gradient that is a view of the flat set is summed
+        out of place, a model's worth of memory more at each backward, then copied home.)"""
+        for param in self._params:
+            param.grad = None
+        self._adding = True
+
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             view = self._grad_views[self.current][index]
             grad = param.grad
             if grad is not None and grad.data_ptr() != view.data_ptr():
                 with torch.no_grad():
-                    view.copy_(grad)
+                    if self._adding and self._fired[index]:
+                        view.add_(grad)
+                    else:
+                        view.copy_(grad)
                 param.grad = view  # the fresh gradient is freed now, not after backward
             ready = []
             with self._lock:
@@ -233,13 +247,16 @@ class FlatModel:
 
     def gather_grads(self) -> None:
         """After backward, make sure every gradient sits in the current flat set and every
-        `.grad` is its view: a parameter that got no gradient gets zeros, and a gradient
+        `.grad` is its view: a parameter that got no gradient gets zeros (one that got one
+        from an earlier backward of the step keeps it: see accumulate), and a gradient
         that autograd left somewhere else (a hook that did not run) is copied home."""
         views = self._grad_views[self.current]
         with torch.no_grad():
-            for param, view in zip(self._params, views, strict=True):
+            for index, (param, view) in enumerate(zip(self._params, views, strict=True)):
                 grad = param.grad
-                if grad is None:
+                if grad is None and self._adding and self._fired[index]:
+                    pass  # (its gradient is in the view already)
+                elif grad is None:
                     view.zero_()
                 elif grad.data_ptr() != view.data_ptr():
                     view.copy_(grad)

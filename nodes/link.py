@@ -123,6 +123,9 @@ class Link:
         # it also broadcasts its versions by reference, read through this segment cache.
         self.shared = False
         self._segments: SegmentCache | None = None
+        # A pipeline stage's worker names its stage and its inbox in its Join (set by
+        # nodes.stage_worker before it joins); a worker of the whole model is stage 0 of 1.
+        self.stage, self.stages, self.inbox = 0, 1, ""
         self.liveness = Liveness(owner, self.peer, clock, loaded=lambda: self.versions.version)
         self.versions = VersionChain(self.layout, weights, owner, self.peer,
                                                 self.liveness, self, model_buffers)
@@ -218,7 +221,8 @@ class Link:
         say_at = self._clock.monotonic() + JOIN_SAY_S  # say once that nobody answers yet
         while True:
             join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD,
-                        shared=self._host_token)
+                        shared=self._host_token, stage=self.stage, stages=self.stages,
+                        inbox=self.inbox)
             try:
                 left = max(deadline - self._clock.monotonic(), 0.1)
                 reply = await self.request(join, timeout=min(wait, left))

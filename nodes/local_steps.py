@@ -52,6 +52,10 @@ class Rewritten(Exception):
 
 
 class LocalSteps:
+    # A pipeline stage's figures of its last step (nodes.stage_steps); none here.
+    busy_s = span_s = 0.0
+    held = 0
+
     def __init__(self, *, model: nn.Module, loss: Loss, flat: FlatModel, shards: int,
                  data: RankData, faults: Faults, optimizer: OptimizerFactory | None,
                  scheduler: SchedulerFactory | None) -> None:

@@ -22,6 +22,7 @@ class Member:
     clock: int = 0  # updates it has pushed
     ready: bool = False  # has loaded its data and counts for the strategy
     batches: int = -1  # batches per epoch of its shard; -1 unknown
+    inbox: str = ""  # a pipeline stage's worker: where the stages beside it send to
 
     def describe(self) -> str:
         return f"worker {self.rank} (phase {self.phase}, version {self.version}, clock {self.clock})"

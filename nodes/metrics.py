@@ -56,8 +56,8 @@ class Metrics:
         self.stopped_by: str | None = None  # what asked for the stop before the end (a signal)
         self.checkpoint: str | None = None  # the last checkpoint written
         self.unused = 0  # samples each epoch leaves out, as the workers' data says
-        # A standby's (nodes.replication.Standbys.summary): the term, where it is, what it took.
-        self.standby: dict[str, Any] | None = None
+        # Sections of the summary that the run's launcher adds (run.pipelines: "pipeline").
+        self.sections: dict[str, Any] = {}
 
     def worker(self, rank: int) -> dict[str, float]:
         """The counters of one worker, made on first use."""
@@ -65,7 +65,7 @@ class Metrics:
             self.per_worker[rank] = {"joins": 0, "pushes": 0, "by_reference": 0,
                                      "applied": 0, "dropped": 0,
                                      "held_s": 0.0, "compute_s": 0.0, "comm_s": 0.0,
-                                     "wait_s": 0.0}
+                                     "wait_s": 0.0, "peak_bytes": 0}
         return self.per_worker[rank]
 
     def resumed(self, version: int, samples: int, path: str) -> None:
@@ -130,11 +130,11 @@ class Metrics:
             "stopped_by": self.stopped_by,
             "checkpoint": self.checkpoint,
             "unused": self.unused,
-            **({"standby": self.standby} if self.standby is not None else {}),
             "per_worker": {
                 str(rank): {k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}
                 for rank, c in sorted(self.per_worker.items())
             },
+            **self.sections,
             **evaluation,
         }
 

@@ -88,7 +88,7 @@ class Telemetry:
         not go back; negative or non-finite figures, from a confused peer, count as 0),
         and return them as counted, for whoever records them elsewhere."""
         times = self.workers.setdefault(rank, WorkerTimes())
-        compute_s, comm_s, wait_s = (_sane(x) for x in (compute_s, comm_s, wait_s))
+        compute_s, comm_s, wait_s = (sane_seconds(x) for x in (compute_s, comm_s, wait_s))
         times.compute_s += compute_s
         times.comm_s += comm_s
         times.wait_s += wait_s
@@ -154,5 +154,6 @@ class Telemetry:
 _KEPT = 4096  # recent times kept at most a rank: 2 s of half-millisecond updates
 
 
-def _sane(seconds: float) -> float:
+def sane_seconds(seconds: float) -> float:
+    """A peer's figure of seconds, or 0 where it is not one (NaN, negative, infinite)."""
     return seconds if 0.0 <= seconds < float("inf") else 0.0

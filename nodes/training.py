@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import resource
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,6 +48,12 @@ log = logging.getLogger("tensorbus.worker")
 Compute = Callable[[list[PendingVersion | None], int, int, Callable[[int], None] | None,
                     Callable[[], object] | None], tuple[float, int]]
 Answers = list[tuple[Message, Tracker | None]]
+
+
+def peak_bytes() -> int:
+    """This process's peak resident memory so far, in bytes (what its pushes report)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # (Linux says KiB)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,7 +255,9 @@ class TrainingLoop:
                     compute_s=self._clock.monotonic() - step.started, comm_s=comm_s,
                     wait_s=wait_s, batches=self._data.length,
                     overflows=scale.skipped if scale is not None else 0, lrs=self._worker.lrs,
-                    state=link.model_buffers.copy() if link.model_buffers is not None else ())
+                    state=link.model_buffers.copy() if link.model_buffers is not None else (),
+                    peak_bytes=peak_bytes(), busy_s=self._steps.busy_s,
+                    span_s=self._steps.span_s, held=self._steps.held)
         return await link.request_tracked(push, patient=True, refer=refer)
 
     def _waits(self, acks: list[Message], computed_on: list[int]) -> list[tuple[Link, int]]:

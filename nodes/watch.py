@@ -18,7 +18,7 @@ from typing import Any
 
 from tensorbus.bus.messages import Push
 from tensorbus.nodes.metrics import Metrics
-from tensorbus.nodes.telemetry import Telemetry
+from tensorbus.nodes.telemetry import Telemetry, sane_seconds
 from tensorbus.nodes.trace import COORDINATOR_TRACK, Trace
 
 log = logging.getLogger("tensorbus.coordinator")
@@ -69,6 +69,11 @@ class Watch:
         counters = self.metrics.worker(rank)
         for name, seconds in figures.items():
             counters[name] += seconds
+        counters["peak_bytes"] = max(counters["peak_bytes"], max(push.peak_bytes, 0))
+        if push.span_s > 0:  # a pipeline stage's (nodes.stage_steps): sane figures only
+            counters["busy_s"] = counters.get("busy_s", 0.0) + sane_seconds(push.busy_s)
+            counters["span_s"] = counters.get("span_s", 0.0) + sane_seconds(push.span_s)
+            counters["held"] = max(counters.get("held", 0), max(push.held, 0))
         self.metrics.write("worker", rank=rank, version=push.version, clock=push.clock,
                            **{name: round(seconds, 6) for name, seconds in figures.items()})
         if self.trace is not None and math.isfinite(push.began):

@@ -132,9 +132,9 @@ class Worker:
         self._data = RankData(data, self.device)  # the shard's batches, kept across rejoins
         self._in_place = InPlace(self.flat, self.links, self._shards,
                                  colocated_sets if self.device.type == "cpu" else None)
-        self._local_steps = LocalSteps(model=model, loss=loss, flat=self.flat, shards=count,
-                                       data=self._data, faults=config.faults,
-                                       optimizer=optimizer, scheduler=scheduler)
+        self._local_steps = self._new_steps(model=model, loss=loss, flat=self.flat, shards=count,
+                                            data=self._data, faults=config.faults,
+                                            optimizer=optimizer, scheduler=scheduler)
         self.flat.watch([shard.spans for shard in self._shards], self._local_steps.range_done)
         self._sessions = WorkerSessions(self, train=self._train, before_join=self._before_join,
                                         clock=clock)
@@ -146,6 +146,15 @@ class Worker:
 
     def _new_compute_thread(self, name: str) -> ComputeThread:
         return ComputeThread(name)
+
+    def _new_steps(self, **parts: Any) -> LocalSteps:
+        """What computes its steps (a pipeline stage's worker computes its stage's part of
+        each batch: nodes.stage_steps)."""
+        return LocalSteps(**parts)
+
+    async def _before_ready(self, welcome: Welcome) -> None:
+        """What a session does once it has its data and its terms, before it says it is
+        ready (a pipeline stage's worker finds the stages beside it: nodes.stage_worker)."""
 
     @property
     def name(self) -> str:
@@ -258,6 +267,7 @@ class Worker:
             self._push_memory.gradients, self.flat, self.rank, dense=compression.dtype is None))
                  if not weights_pushed and compression.topk is None
                  and any(link.shared for link in self.links) else None)
+        await self._before_ready(welcome)
         # Answered when the coordinators' start gates open: everyone starts together.
         await asyncio.gather(*(
             link.request(Ready(sender=self.rank, version=link.version,

@@ -36,15 +36,19 @@ from tensorbus.nodes.config import CoordinatorConfig, WorkerConfig
 from tensorbus.nodes.failures import TrainingError
 from tensorbus.nodes.link import RunFailedError
 from tensorbus.nodes.metrics import MetricsError
+from tensorbus.nodes.neighbours import NeighbourLost
 from tensorbus.nodes.relay import Relay
+from tensorbus.nodes.stage_worker import StageWorker
+from tensorbus.nodes.stages import Stage, StagesError, build_stage, cut
 from tensorbus.nodes.worker import ComputeError, DataError, Worker
 from tensorbus.run import cluster, device, flags, interrupts, own_loop
 from tensorbus.run import summary as run_summary
 from tensorbus.run.export import check_writable, export, save_model
-from tensorbus.run.faults import parse_worker
+from tensorbus.run.faults import limit_memory, memory_mb, parse_worker
 from tensorbus.run.local import LocalRunError, launch_local
 from tensorbus.run.memory import keep_freed_memory
 from tensorbus.run.options import RunOptions, make_coordinator, same_named
+from tensorbus.run.out_of_memory import WorkerOutOfMemory, explain, is_out_of_memory
 from tensorbus.run.pernode import launch_node
 from tensorbus.run.progress import CurrentStderr, ProgressLine
 from tensorbus.run.signals import die_of, stopping_on_signals
@@ -93,12 +97,12 @@ def run(args: argparse.Namespace) -> int:
         return commands[args.command](args)
     except KeyboardInterrupt as e:
         return fail(e, "interrupted", 130)
-    except (SpecError, ValueError, CheckpointError, MetricsError) as e:
+    except (SpecError, StagesError, ValueError, CheckpointError, MetricsError) as e:
         return fail(e, str(e), 2)
     except (DataError, ComputeError) as e:  # the SPEC's own code failed: said with its path
         return fail(e, error_line(e, args.spec), 1)
     except (TrainingError, LocalRunError, PeerTimeoutError, RejectedError, HandshakeError,
-            RunFailedError, OSError) as e:
+            RunFailedError, OSError, NeighbourLost, WorkerOutOfMemory) as e:
         return fail(e, str(e), 1)
     except Exception as e:  # noqa: BLE001 - a bug: still one line, the traceback on request
         return fail(e, f"internal error: {type(e).__name__}: {e} (a bug in tensorbus: run "
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 # Causes that are ours and already said in full: no traceback would help a user. (A
 # ValueError or OSError as a cause came from the SPEC's code or a library: its traceback may.)
 _OURS = (SpecError, TrainingError, PeerTimeoutError, RejectedError, HandshakeError, RunFailedError,
-         CheckpointError, MetricsError)
+         CheckpointError, MetricsError, StagesError)
 
 
 def _local(args: argparse.Namespace) -> int:
@@ -228,6 +232,9 @@ def _worker(args: argparse.Namespace) -> int:
         raise ValueError("--node-rank numbers the nodes of --workers-per-node: give both, "
                          "or neither")
     args.connect, args.rank = _placed(args)
+    allowed = memory_mb(args.fault)
+    if allowed is not None:  # (a small worker on purpose: before it builds anything)
+        limit_memory(allowed)
     spec = load_spec(args.spec)
     for endpoint in args.connect.split(","):
         split_endpoint(endpoint.strip())
@@ -236,11 +243,14 @@ def _worker(args: argparse.Namespace) -> int:
                           reconnect_timeout_s=args.reconnect_timeout_s,
                           shared_memory=args.shared_memory,
                           keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
-    worker = Worker(model=spec.build_model(), data=spec.data, loss=spec.loss, config=config,
-                    optimizer=spec.optimizer, scheduler=spec.scheduler)
     try:
+        worker = _new_worker(args, spec, config)
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             report = runner.run(stopping_on_signals(worker, worker.run()))
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise _out_of_memory(args, spec) from e
     except asyncio.CancelledError:
         if worker.stopped_by is None:
             raise
@@ -257,6 +267,37 @@ def _worker(args: argparse.Namespace) -> int:
         "(their weights rewritten meanwhile)", report.rank, report.by_reference, report.torn,
         report.redone)
     return 0
+
+
+def _new_worker(args: argparse.Namespace, spec: Any, config: WorkerConfig) -> Worker:
+    """A worker of the whole model, or with --stage S/P of stage S of the SPEC's stages()."""
+    common: dict[str, Any] = {"data": spec.data, "loss": spec.loss, "config": config,
+                              "optimizer": spec.optimizer, "scheduler": spec.scheduler}
+    if args.stage is None:
+        return Worker(model=spec.build_model(), **common)
+    stage, stages = args.stage
+    if config.device != "cpu":
+        raise ValueError(f"--stage runs on the CPU only, for now (a stage's activations are not "
+                         f"yet moved to and from a GPU), not {config.device}: give --device cpu")
+    if spec.stages is None:
+        raise SpecError(f"SPEC {spec.source}: --stage {stage}/{stages} needs stages() -> list "
+                        "of torch.nn.Module, the model cut into modules that run in sequence: "
+                        "define it (see examples/digits_pipeline.py)")
+    return StageWorker(stage=stage, stages=stages,
+                       model=build_stage(spec.stages, stage, stages, f"SPEC {spec.source}"),
+                       **common)
+
+
+def _out_of_memory(args: argparse.Namespace, spec: Any) -> WorkerOutOfMemory:
+    """Worker out of memory: said with the size of what it holds."""
+    rank = f" {args.rank}" if args.rank is not None and args.rank >= 0 else ""
+    if args.stage is None:
+        return explain(who=f"worker{rank}", build=spec.model, pipelined=False)
+    stage, stages = args.stage
+
+    def build() -> Stage:
+        return cut(spec.stages(), stages)[stage]
+    return explain(who=f"stage {stage} of pipeline{rank}", build=build, pipelined=True)
 
 
 def _served(args: argparse.Namespace) -> tuple[str, int]:

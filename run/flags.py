@@ -112,6 +112,18 @@ def parser() -> OneLineParser:
                        help="no central coordinator: each worker process also serves one "
                             "shard of the parameters, so that each moves about one model a "
                             "step, as a ring all-reduce does (sync and average)")
+    pipeline = local.add_argument_group("pipeline stages (a model larger than one worker)")
+    pipeline.add_argument("--pipeline", type=int, metavar="P",
+                          help="cut the SPEC's stages() into P consecutive stages, one a "
+                               "worker: --workers N makes N/P pipelines, each stage's "
+                               "parameters served to its N/P workers under --strategy (sync "
+                               "or average) (default 1: no pipeline)")
+    pipeline.add_argument("--micro-batches", type=int, metavar="M",
+                          help="with --pipeline: cut each batch into M micro-batches, which "
+                               "flow through the stages one after another (default 1)")
+    pipeline.add_argument("--schedule", choices=["1f1b", "gpipe"],
+                          help="with --pipeline: the order of each stage's micro-batches: "
+                               "1f1b holds at most P of them at once, gpipe all M (default 1f1b)")
 
     coordinator = commands.add_parser("coordinator", help="the coordinator alone")
     _common(coordinator, spec="a SPEC: a Python file or module:object; none: the model of "
@@ -170,6 +182,10 @@ def parser() -> OneLineParser:
                              "GROUP_RANK, else SLURM_NODEID, else 0)")
     _device(worker, "auto (GPU LOCAL_RANK where CUDA is present, else the CPU), cpu, cuda "
                     "(GPU LOCAL_RANK) or cuda:N (default auto)")
+    worker.add_argument("--stage", type=_stage, metavar="S/P",
+                        help="be the worker of stage S (from 0) of a pipeline of P stages "
+                             "(the SPEC's stages()), joining that stage's coordinator as the "
+                             "rank of its pipeline (`local --pipeline` starts these)")
     worker.add_argument("--join-timeout", type=float, default=300.0, dest="join_timeout_s",
                         metavar="JOIN_TIMEOUT",
                         help="keep trying to join this long, in seconds (default 300)")
@@ -289,10 +305,13 @@ def _faults(p: argparse.ArgumentParser, *, per_rank: bool) -> None:
     if per_rank:
         p.add_argument("--fault", action="append", metavar="KIND:RANK:N",
                        help="inject a fault (repeatable): slow:RANK:MS sleeps MS ms in every "
-                            "step of worker RANK; crash:RANK:STEP kills it at local step STEP")
+                            "step of worker RANK; crash:RANK:STEP kills it at local step STEP; "
+                            "memory:RANK:MB lets it use MB megabytes more than it holds as it "
+                            "starts (under --pipeline P, worker RANK is stage RANK mod P of "
+                            "pipeline RANK div P)")
     else:
         p.add_argument("--fault", action="append", default=[], metavar="KIND:N",
-                       help="inject a fault (repeatable): slow:MS or crash:STEP")
+                       help="inject a fault (repeatable): slow:MS, crash:STEP or memory:MB")
 
 
 def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> None:
@@ -415,6 +434,18 @@ def _eval_every(text: str) -> float | str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither seconds (30) nor epochs "
                                          "(1ep)") from None
+
+
+def _stage(text: str) -> tuple[int, int]:
+    """`worker --stage S/P`: this worker holds stage S (from 0) of P."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not S/P (this worker's stage from 0, "
+                                         "then the stages of the pipeline), e.g. 1/4") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"{text!r}: the stage must be in 0..P-1")
+    return index, count
 
 
 def _shard(text: str) -> tuple[int, int]:

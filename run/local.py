@@ -81,6 +81,9 @@ def launch_local(
         raise ValueError("--precision fp16-mixed needs CUDA, and "
                          + ("this machine has none" if count == 0 else "--device puts workers on the CPU")
                          + ": use bf16-mixed (or the GPUs)")
+    if options.pipeline > 1 and any(d != "cpu" for d in devices):
+        raise ValueError("--pipeline runs its stages on the CPU only, for now (a stage's "
+                         "activations are not yet moved to and from a GPU): give --device cpu")
     # With --colocate this process is worker 0: the others are processes.
     forks = _forks(options.workers - (1 if options.colocate else 0), devices) if fork else None
     try:
@@ -91,6 +94,11 @@ def launch_local(
                 per_worker = threads_per_worker(threads, options.workers)
                 torch.set_num_threads(per_worker)  # this process is worker 0
                 return runner.run(launch_colocated(str(spec), options, on_step, per_worker,
+                                                   log_level, status, debug, devices, forks))
+            if options.pipeline > 1:
+                from tensorbus.run.pipelines import launch_pipelines  # it builds on this module
+
+                return runner.run(launch_pipelines(str(spec), options, on_step, threads,
                                                    log_level, status, debug, devices, forks))
             return runner.run(_launch(str(spec), options, on_step, threads, log_level, status,
                                       debug, devices, forks))

@@ -27,9 +27,11 @@ import ctypes.util
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit
 _HEAP_MAX = 2 * _MMAP_THRESHOLD_MAX  # the most a thread's heap holds (glibc's HEAP_MAX_SIZE)
 _TRIM_THRESHOLD = 1 << 30
+_SMALL = 128 << 10  # glibc's own starting mmap and trim thresholds
 
 
 def keep_freed_memory() -> bool:
@@ -45,3 +47,21 @@ def keep_freed_memory() -> bool:
                 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
                 # A heap with a pad of its whole size is never unmapped nor shrunk.
                 and mallopt(_M_TOP_PAD, _HEAP_MAX))
+
+
+def hold_only_what_is_used() -> bool:
+    """The other way round, for a process whose memory is capped (run.faults' memory), so
+    that what it holds is what it uses: one arena for every thread (not a heap of 64 MiB a
+    thread that allocates), no top pad, and large blocks mapped afresh and given back as
+    they are freed (not kept in a heap that small blocks cut up, which grows a large
+    block's size at each step that frees one and makes another); False where there is no
+    glibc. Call it before the process starts threads."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_ARENA_MAX, 1) and mallopt(_M_TOP_PAD, 0)
+                and mallopt(_M_MMAP_THRESHOLD, _SMALL) and mallopt(_M_TRIM_THRESHOLD, _SMALL))

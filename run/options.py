@@ -38,7 +38,7 @@ from tensorbus.strategies.base import PushKind, Wait
 DEFAULT_LR = 0.1  # the learning rate of the default SGD, when the SPEC has no optimizer()
 # The CoordinatorConfig fields that no run option sets: each node's own, from its launcher.
 NODE_SETTINGS = frozenset({"bind", "pub_port", "stop_timeout_s", "first_rank", "world_size",
-                           "until_workers_leave"})
+                           "until_workers_leave", "stage"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +76,11 @@ class RunOptions:
     clip_grad_norm: float | None = None  # the largest 2-norm of a step's gradient
     save: Path | None = None  # write the trained model's state_dict here at the end
     precision: str = ""  # "bf16-mixed" or "fp16-mixed": the workers' forward in autocast
+    # `local` only: the SPEC's stages() cut into `pipeline` stages, one a worker
+    # (run.pipelines); each batch cut into `micro_batches`, run in `schedule` order.
+    pipeline: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -118,6 +123,7 @@ class RunOptions:
         if self.shards > 1 and self.evaluates_during_training:
             raise ValueError("--eval-every evaluates the whole model during training, and each "
                              "of --shards holds a range of it: drop one of them")
+        self._check_pipeline()
         strategy = make_strategy(self)  # one-line errors for its options now, not at start-up
         if self.colocate:
             self._check_colocate(strategy)
@@ -143,6 +149,60 @@ class RunOptions:
             if value is not None:
                 given[f.name] = value
         return cls(**given)
+
+    @property
+    def pipelines(self) -> int:
+        """The workers each coordinator serves: every worker, or under --pipeline P one a
+        pipeline (N/P): each stage's coordinator serves that stage of every pipeline."""
+        return self.workers // self.pipeline
+
+    def _check_pipeline(self) -> None:
+        if self.pipeline < 1:
+            raise ValueError(f"--pipeline must be at least 1, got {self.pipeline}")
+        if self.micro_batches < 1:
+            raise ValueError(f"--micro-batches must be at least 1, got {self.micro_batches}")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"--schedule {self.schedule!r}: choose from 1f1b, gpipe")
+        if self.pipeline == 1:
+            if self.micro_batches > 1:
+                raise ValueError("--micro-batches cuts each batch for the stages of a "
+                                 "pipeline: give --pipeline P too")
+            return
+        p = self.pipeline
+        refusals = [
+            (self.workers % p != 0, f"--workers {self.workers} is not a multiple of --pipeline "
+                                    f"{p}: N workers make N/P pipelines of P stages"),
+            (self.strategy not in ("sync", "average"),
+             f"--pipeline serves each stage under sync or average, whose stages step together, "
+             f"not {self.strategy}"),
+            ("backups" in self.strategy_options,
+             "sync --backups K would step each stage on its first gradients, which may be "
+             "other pipelines' at each stage: drop --backups"),
+            (self.micro_batches > self.batch_size,
+             f"--micro-batches {self.micro_batches} is more than --batch-size "
+             f"{self.batch_size}: a micro-batch needs a sample at least"),
+            (self.shards > 1 or self.colocate,
+             "--pipeline gives each stage a coordinator of its own: drop --shards and --colocate"),
+            (self.clip_grad_norm is not None,
+             "--clip-grad-norm clips the whole model's gradient, and with --pipeline each "
+             "stage holds a part of it: drop one of them"),
+            (self.precision == "fp16-mixed",
+             "--precision fp16-mixed scales the loss on the last stage and checks every "
+             "stage's gradients as one, which is not done across stages: use bf16-mixed"),
+            (self.keys is not None,
+             "--keys: the links between a pipeline's stages are not encrypted: drop --keys "
+             "(pipelines run on this machine's loopback)"),
+            (self.max_workers is not None,
+             "--max-workers: a pipeline's stages join together, not one by one: drop it"),
+            (self.evaluates_during_training,
+             "--eval-every evaluates the whole model during training, and with --pipeline "
+             "each stage's coordinator holds a part of it: drop one of them"),
+            (self.min_workers > self.pipelines,
+             f"--min-workers counts pipelines under --pipeline: at most {self.pipelines} here"),
+        ]
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(why)
 
     @property
     def evaluates_during_training(self) -> bool:
@@ -194,7 +254,7 @@ def make_strategy(options: RunOptions) -> Strategy:
                              f"{options.strategy}: drop it, or choose --strategy "
                              f"{' or '.join(takers)}")
     try:
-        return cls(workers=options.workers, **options.strategy_options)
+        return cls(workers=options.pipelines, **options.strategy_options)
     except ValueError as e:  # said with the arguments' names: here, with their flags
         raise ValueError(_as_flags(str(e), cls.options | {"workers"})) from None
 
@@ -245,15 +305,17 @@ def make_coordinator(
 
 def coordinator_config(
     options: RunOptions, *, bind: str, pub_port: int | None = None, shard: int = 0,
-    shards: int = 1,
+    shards: int = 1, stage: int = 0,
 ) -> CoordinatorConfig:
-    """The configuration of coordinator shard `shard` of `shards` (1: the coordinator).
-    Only shard 0 writes the metrics and the trace; each shard checkpoints into its own
-    directory."""
+    """The configuration of coordinator shard `shard` of `shards` (1: the coordinator), or
+    of the coordinator of pipeline stage `stage` (of `options.pipeline`). Only the first
+    writes the metrics and the trace; each checkpoints into its own directory."""
     checkpoint_dir = options.checkpoint_dir
     if shards > 1 and checkpoint_dir is not None:
         checkpoint_dir = checkpoint_dir / f"shard-{shard}-of-{shards}"
-    first = shard == 0
+    if options.pipeline > 1 and checkpoint_dir is not None:
+        checkpoint_dir = checkpoint_dir / f"stage-{stage}-of-{options.pipeline}"
+    first = shard == 0 and stage == 0
     return CoordinatorConfig(**{
         **same_named(CoordinatorConfig, options),
         "bind": bind,
@@ -263,6 +325,7 @@ def coordinator_config(
         "trace": options.trace if first else None,
         "checkpoint_dir": checkpoint_dir,
         "keys": load_server_keys(options.keys) if options.keys is not None else None,
+        "stage": stage,
     })
 
 

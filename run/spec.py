@@ -1,7 +1,8 @@
 """Loading a SPEC (a Python file, or `module:object`) and saying exactly what is wrong with it.
 
 A SPEC defines model(), data(rank, world_size, batch_size), loss(output, target), and
-optionally optimizer(params) and evaluate(model). Every problem is a `SpecError` whose one
+optionally optimizer(params), scheduler(optimizer), evaluate(model) and stages() (the model
+cut into modules that run in sequence, for --pipeline). Every problem is a `SpecError` whose one
 line names the SPEC, the function, and what was expected.
 """
 
@@ -30,6 +31,7 @@ _CONTRACT: dict[str, tuple[int, str, bool]] = {
     "optimizer": (1, "optimizer(params) -> torch.optim.Optimizer", False),
     "evaluate": (1, "evaluate(model) -> dict[str, float]", False),
     "scheduler": (1, "scheduler(optimizer) -> a torch LR scheduler", False),
+    "stages": (0, "stages() -> list of torch.nn.Module", False),
 }
 
 
@@ -46,6 +48,7 @@ class Spec:
     optimizer: Callable[[Any], Any] | None
     evaluate: Callable[[nn.Module], dict[str, float]] | None
     scheduler: Callable[[Any], Any] | None = None
+    stages: Callable[[], Any] | None = None
 
     def build_model(self) -> nn.Module:
         try:

@@ -12,7 +12,7 @@ from typing import Any
 _FIELDS = {"event", "strategy", "workers", "steps", "samples", "wall_s", "train_s",
            "final_loss", "dropped", "rejected", "max_staleness", "max_clock_gap", "broadcasts",
            "lost", "ended", "resumed_from", "stopped_by", "checkpoint", "per_worker",
-           "unused"}
+           "unused", "pipeline"}
 
 
 def table(summary: dict[str, Any], metrics: Path | None, *, keeps: bool = True) -> str:
@@ -38,12 +38,32 @@ def table(summary: dict[str, Any], metrics: Path | None, *, keeps: bool = True) 
     if summary.get("unused"):
         lines.append(f"  unused       {summary['unused']} samples an epoch (the last partial "
                      "global batch)")
+    lines += _pipeline(summary.get("pipeline"))
     lines.append(f"  ended        {summary['ended'] or '-'}")
     if metrics is not None:
         lines.append(f"  every step and the whole summary: {metrics}")
     elif keeps:
         lines.append("  (--metrics FILE.jsonl keeps every step and the whole summary)")
     return "\n".join(lines)
+
+
+def _pipeline(section: Any) -> list[str]:
+    """A pipelined run's lines (run.pipelines.figures): its shape, its bubble, each stage."""
+    if not isinstance(section, dict):
+        return []
+    measured = section.get("bubble")
+    lines = [f"  pipeline     {section['pipelines']} of {section['stages']} stages, "
+             f"{section['micro_batches']} micro-batches, {section['schedule']}: bubble "
+             + (f"{measured:.2f}" if isinstance(measured, float) else "-")
+             + f" ((P-1)/(M+P-1) = {section['bubble_formula']:.2f})"]
+    for stage in section["per_stage"]:
+        busy = stage["busy_s"] / stage["span_s"] if stage["span_s"] > 0 else 0.0
+        lines.append(f"  stage {stage['stage']:<6} {stage['parameters']} parameters, peak memory "
+                     f"{stage['peak_bytes'] / 2**20:.0f} MB, busy {busy:.0%} of its steps, "
+                     f"{stage['held']} micro-batch(es) held at most"
+                     + (f", lost worker(s) {', '.join(map(str, stage['lost']))}"
+                        if stage.get("lost") else ""))
+    return lines
 
 
 def stopped_by(summary: dict[str, Any]) -> signal.Signals | None:

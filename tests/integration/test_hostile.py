@@ -452,6 +452,8 @@ def predict(frames: list[bytes], *, layout: Layout, max_bytes: int) -> Verdict:
     match message:
         case Join(build=build) if build not in ("", "unknown", BUILD):
             code = "build"  # another release: said first, it may explain a layout's difference
+        case Join(stage=stage, stages=stages) if (stage, stages) != (0, 1):
+            code = "layout"  # a pipeline stage's worker: not this coordinator's (admission)
         case Join(layout=digest) if digest != layout.digest:
             code = "layout"
         case Join(rank=rank) if rank < -1:

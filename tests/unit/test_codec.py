@@ -47,6 +47,8 @@ from tensorbus.bus.messages import (
     PROTOCOL_VERSION,
     SCHEMA,
     Ack,
+    ActivationGrads,
+    Activations,
     Changes,
     Collective,
     Describe,
@@ -55,6 +57,7 @@ from tensorbus.bus.messages import (
     Join,
     Kind,
     Leave,
+    Peers,
     Pull,
     Push,
     Ready,
@@ -149,18 +152,20 @@ WEIGHTS = (torch.linspace(-1, 1, 6), torch.tensor([3, -4, 5], dtype=torch.int64)
 
 SAMPLES = {
     Kind.JOIN: Join(sender=3, request=11, version=7, rank=2, layout="0f1e2d3c4b5a6978",
-                    build="0.1.0", shared="tensorbus-2-0123456789abcdef 00112233445566778899aabbccddeeff"),
+                    build="0.1.0", shared="tensorbus-2-0123456789abcdef 00112233445566778899aabbccddeeff",
+                    stage=2, stages=4, inbox="tcp://127.0.0.1:40123"),
     Kind.WELCOME: Welcome(sender=COORDINATOR, request=11, version=7, rank=2, world_size=4,
                           strategy="ssp", push="weights", local_steps=3, wait="answered",
                           batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9,
                           compress="bf16",
                           shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
-                          seed=3, clip_grad_norm=0.5, precision="bf16-mixed",
-                          standby="tcp://10.0.0.2:5555", tensors=WEIGHTS),
+                          seed=3, clip_grad_norm=0.5, precision="bf16-mixed", micro_batches=8,
+                          schedule="gpipe", standby="tcp://10.0.0.2:5555", tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14, overflows=2,
-                    lrs="[0.1, 0.01]", tensors=WEIGHTS),
+                    lrs="[0.1, 0.01]", peak_bytes=3 << 30, busy_s=0.015, span_s=0.025, held=3,
+                    tensors=WEIGHTS),
     Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
     Kind.PULL: Pull(sender=3, request=14, version=6),
     Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, generation=3, tensors=WEIGHTS),
@@ -189,6 +194,13 @@ SAMPLES = {
     Kind.REPLICA: Replica(sender=COORDINATOR, request=23, version=9, term=2, generation=5,
                           tensors=(torch.frombuffer(bytearray(b'{"d":[]}'), dtype=torch.uint8),
                                    torch.ones(2, 3), torch.tensor(4.0))),
+    Kind.PEERS: Peers(sender=1, request=22, version=2, previous="tcp://127.0.0.1:40001",
+                      next="tcp://127.0.0.1:40003"),
+    Kind.ACTIVATIONS: Activations(sender=1, request=23, version=5, stage=1, step=6, micro=3,
+                                  outputs=1, batch=16, shard=94,
+                                  tensors=(torch.randn(4, 3, 2), torch.arange(4))),
+    Kind.ACTIVATION_GRADS: ActivationGrads(sender=1, request=24, version=5, stage=2, step=6,
+                                           micro=3, loss=0.625, tensors=(torch.randn(4, 3, 2),)),
 }
 
 
@@ -228,7 +240,8 @@ def test_header_is_the_documented_map():
         "t": [["float32", [6], 24, CHUNK_BYTES], ["int64", [3], 24, CHUNK_BYTES]],
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
               "comm_s": 0.003, "wait_s": 0.01, "batches": 14, "overflows": 2,
-              "lrs": "[0.1, 0.01]"},
+              "lrs": "[0.1, 0.01]", "peak_bytes": 3 << 30, "busy_s": 0.015, "span_s": 0.025,
+              "held": 3},
     }
     assert len(frames) == 3
 
@@ -837,6 +850,39 @@ def test_changes_that_do_not_fit_the_layout_are_refused(tensors, reason):
 
 def test_kinds_without_tensors_pass_a_layout_check():
     assert decode(received(encode(SAMPLES[Kind.ACK])), layout=MODEL) == SAMPLES[Kind.ACK]
+
+
+@pytest.mark.parametrize("kind", [Kind.ACTIVATIONS, Kind.ACTIVATION_GRADS], ids=lambda k: k.name)
+def test_activations_are_of_any_shape_not_the_model_s_layout(kind):
+    decoded = decode(received(encode(SAMPLES[kind])), layout=MODEL)
+    assert decoded == SAMPLES[kind]
+    assert_same_tensors(decoded.tensors, SAMPLES[kind].tensors)
+
+
+def test_an_activation_sent_whole_is_one_frame_read_where_it_lies():
+    # (A stage sends each activation as one frame, so that the next stage computes on it
+    # where ZeroMQ put it: nodes.neighbours.)
+    big = torch.randn(3 * CHUNK_BYTES // 4)
+    message = Activations(sender=0, stage=0, step=1, micro=0, outputs=1, batch=3,
+                          tensors=(big, torch.arange(3)))
+    frames = received(encode(message, chunk_bytes=DEFAULT_MAX_MESSAGE_BYTES))
+    assert len(frames) == 3
+    decoded = decode(frames)
+    assert isinstance(decoded.tensors[0], torch.Tensor)
+    assert decoded.tensors[0].data_ptr() == np.frombuffer(frames[1], dtype=np.uint8).ctypes.data
+    assert torch.equal(decoded.tensors[0], big)
+
+
+def test_an_activation_of_a_dtype_not_allowed_is_refused_before_it_is_read():
+    header, payload = split(SAMPLES[Kind.ACTIVATIONS])
+    header["t"][0][0] = "complex64"
+    with pytest.raises(DtypeError):
+        decode(repack(header, payload))
+
+
+def test_an_activation_over_the_limit_is_refused():
+    with pytest.raises(MessageTooLargeError):
+        decode(received(encode(SAMPLES[Kind.ACTIVATIONS])), max_bytes=64)
 
 
 def test_weights_without_tensors_means_nothing_newer_and_passes_the_layout_check():

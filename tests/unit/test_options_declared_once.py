@@ -140,3 +140,14 @@ def test_a_relay_s_settings_are_copied_by_name() -> None:
     copied: dict[str, Any] = same_named(CoordinatorConfig, args)
     assert copied == {"bind": BIND, "pub_port": 7001, "heartbeat_s": 0.2, "timeout_s": 2.0,
                       "join_timeout_s": 9.0, "keys": None, "shared_memory": False}
+
+
+def test_a_pipeline_command_line_reaches_each_stage_s_config(tmp_path: Path) -> None:
+    options = _options("--workers", "8", "--pipeline", "4", "--micro-batches", "4",
+                       "--schedule", "gpipe", "--checkpoint-dir", str(tmp_path), "--steps", "3")
+    assert (options.pipeline, options.micro_batches, options.schedule) == (4, 4, "gpipe")
+    assert options.pipelines == 2  # (each stage's coordinator serves one worker a pipeline)
+    second = coordinator_config(options, bind=BIND, stage=1)
+    assert (second.pipeline, second.stage, second.micro_batches, second.schedule) == (4, 1, 4, "gpipe")
+    assert second.checkpoint_dir == tmp_path / "stage-1-of-4"
+    assert (second.metrics, coordinator_config(options, bind=BIND).stage) == (None, 0)
