@@ -298,6 +298,11 @@ class Coordinator:
         return self._serving.server.inproc_endpoint
 
     @property
+    def standby(self) -> str:
+        """Where this coordinator's standby serves ("": none follows it now)."""
+        return self._standbys.endpoint
+
+    @property
     def stopping(self) -> bool:
         """Whether the run is stopping or stopped."""
         return self._ending.stopping

@@ -368,3 +368,19 @@ def _as_if_fresh() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()
+
+
+async def spawn(argv: list[str]) -> asyncio.subprocess.Process:
+    """`python -m tensorbus ARGV`, a fresh interpreter, as a child of this launcher that
+    dies with it: its stdout and stderr in one pipe (`stdout`), unbuffered, as a forked
+    one's (run.local's relay of a worker's output)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-u", "-m", "tensorbus", *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        preexec_fn=die_with_parent,
+        # Its own session: Ctrl-C in the terminal reaches the launcher alone, which
+        # stops the workers gracefully through the coordinator.
+        start_new_session=True,
+    )

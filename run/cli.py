@@ -125,11 +125,22 @@ def _local(args: argparse.Namespace) -> int:
                 args.spec, RunOptions.from_args(args), on_step=progress, threads=args.threads,
                 log_level=args.log_level, status=StatusTable(sys.stderr, every_s=args.status),
                 debug=args.debug, device=args.device, fork=True,
+                standby=_standby_options(args) if args.standby else None,
             )
     finally:
         if progress:
             progress.close()
     return _ended(args, summary)
+
+
+def _standby_options(args: argparse.Namespace) -> list[str]:
+    """`local --standby`'s standby: `coordinator` with the run's options, its own metrics
+    beside the run's, its summary left to the run's."""
+    own = [a for a in flags.as_argv("coordinator", args)
+           if not a.startswith(("--json", "--save=", "--metrics=", "--status="))]
+    if args.metrics is not None:
+        own.append(f"--metrics={args.metrics.with_suffix('.standby.jsonl')}")
+    return [args.spec, *own, "--bind", "tcp://127.0.0.1:0", "--no-progress"]
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -108,6 +108,11 @@ def parser() -> OneLineParser:
     local.add_argument("--shards", type=int, metavar="S",
                        help="a sharded parameter server: S coordinators, each owning a range "
                             "of the parameters; every worker talks to all of them (default 1)")
+    local.add_argument("--standby", action="store_true",
+                       help="also start a standby coordinator, as `coordinator --standby-of` "
+                            "does, before the workers: it takes each version's state, and "
+                            "would take the run over from a coordinator that stopped "
+                            "answering (its metrics, with --metrics: FILE.standby.jsonl)")
     local.add_argument("--colocate", action="store_true",
                        help="no central coordinator: each worker process also serves one "
                             "shard of the parameters, so that each moves about one model a "
@@ -418,7 +423,7 @@ TO_OPTIONS: Final[Mapping[str, Callable[[argparse.Namespace], Any]]] = {
 # read by TO_OPTIONS above, or this process's or this node's own settings (run.cli).
 NOT_OPTIONS: Final = frozenset({
     "help", "spec", "threads", "log_level", "debug", "device", "no_progress",
-    "json", "status", "bind", "port", "pub_port", "insecure", "standby_of",  # the node's
+    "json", "status", "bind", "port", "pub_port", "insecure", "standby_of", "standby",
     "fault", "eval_every", "shard", *STRATEGY_FLAGS,  # read by TO_OPTIONS
 })
 
@@ -458,6 +463,27 @@ def _shard(text: str) -> tuple[int, int]:
     if not 0 <= index < count:
         raise argparse.ArgumentTypeError(f"{text!r}: the index must be in 0..S-1")
     return index, count
+
+
+def as_argv(command: str, args: argparse.Namespace) -> list[str]:
+    """The options of `command` that `args` (another command's) set away from `command`'s
+    defaults, as a command line: how `local --standby` starts its standby `coordinator`
+    with the run's own options."""
+    (commands,) = [a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    argv: list[str] = []
+    for action in commands.choices[command]._actions:
+        if not action.option_strings or not hasattr(args, action.dest):
+            continue
+        value, flag = getattr(args, action.dest), action.option_strings[-1]
+        if value is None or value == action.default or action.dest in ("help", "version"):
+            continue
+        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            argv.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            argv += [f"{flag}={v}" for v in value]
+        else:
+            argv.append(f"{flag}={value}")
+    return argv
 
 
 def reference() -> str:

@@ -29,13 +29,14 @@ from tensorbus.bus.shared import sweep
 from tensorbus.bus.transport import new_event_loop
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.nodes.precision import Precision
-from tensorbus.run.children import Forked, Forks, can_fork, die_with_parent
+from tensorbus.run.children import Forked, Forks, can_fork, spawn
 from tensorbus.run.device import resolve as resolve_device
 from tensorbus.run.export import save_model
 from tensorbus.run.faults import parse_local
 from tensorbus.run.options import RunOptions, final_model, make_coordinators, serve
 from tensorbus.run.signals import stopping_on_signals
 from tensorbus.run.spec import load_spec
+from tensorbus.run.standby import StandbyFailed, StandbyProcess
 from tensorbus.run.status import StatusTable
 
 log = logging.getLogger("tensorbus.local")
@@ -68,13 +69,20 @@ def launch_local(
     debug: bool = False,
     device: str = "cpu",
     fork: bool = False,
+    standby: list[str] | None = None,
 ) -> dict[str, Any]:
     """Train with a coordinator here and `options.workers` worker processes; return the summary.
     With `status`, the per-worker table is shown as it says (see `run.status`). `device`:
     as `--device` (auto and cuda put worker R on GPU R mod the number of GPUs). With
     `fork`, the workers are forked from this process where that is safe (run.children):
     the CLI's, whose process is its own; a caller of this function may hold threads or
-    state a fork would copy, so it gets fresh interpreters unless it asks."""
+    state a fork would copy, so it gets fresh interpreters unless it asks. `standby`: start
+    a standby coordinator (run.standby) with these options, before the workers."""
+    if standby is not None and (options.colocate or options.shards > 1 or options.pipeline > 1
+                                or options.keys is not None or options.resume):
+        raise ValueError("--standby follows one central coordinator without --keys or "
+                         "--resume: drop --colocate, --shards, --pipeline, --keys and --resume, "
+                         "or --standby")
     count = torch.cuda.device_count() if device != "cpu" else 0
     devices = [resolve_device(device, rank % max(count, 1)) for rank in range(options.workers)]
     if options.precision == Precision.FP16.value and "cpu" in devices:
@@ -101,7 +109,7 @@ def launch_local(
                 return runner.run(launch_pipelines(str(spec), options, on_step, threads,
                                                    log_level, status, debug, devices, forks))
             return runner.run(_launch(str(spec), options, on_step, threads, log_level, status,
-                                      debug, devices, forks))
+                                      debug, devices, forks, standby))
     finally:
         if forks is not None:
             forks.close()
@@ -128,6 +136,7 @@ async def _launch(
     debug: bool,
     devices: list[str],
     forks: Forks | None,
+    standby_options: list[str] | None = None,
 ) -> dict[str, Any]:
     spec = load_spec(spec_source)  # fail here, before any process starts
     coordinators = make_coordinators(spec, options, bind="tcp://127.0.0.1:0", on_step=on_step)
@@ -137,7 +146,18 @@ async def _launch(
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     relays = []
     faults = parse_local(options.faults, options.workers)
+    run = serve(coordinators)
+    if status is not None:  # the first shard's view: every shard sees the same workers
+        run = status.around(coordinators[0], run)
+    standby: StandbyProcess | None = None
+    training: asyncio.Task[dict[str, Any]] | None = None
     try:
+        if standby_options is not None:
+            # The coordinator runs (to take the standby's Follow) before any worker starts:
+            # every version, the first too, is the standby's.
+            training = asyncio.create_task(stopping_on_signals(coordinators, run))
+            standby = await StandbyProcess.start(standby_options, coordinators[0],
+                                                 within_s=options.join_timeout_s)
         for rank in range(options.workers):
             extra = [f"--fault={f}" for f in faults.get(rank, [])]
             if options.keys is not None:
@@ -150,12 +170,10 @@ async def _launch(
                     "--threads", str(per_worker), "--log-level", log_level,
                     "--device", devices[rank], *extra]
             workers.append(await forks.start(f"tb worker {rank}", "tensorbus", argv)
-                           if forks is not None else await _spawn(argv))
+                           if forks is not None else await spawn(argv))
             relays.append(asyncio.create_task(_relay(rank, workers[-1], failure, coordinators)))
-        run = serve(coordinators)
-        if status is not None:  # the first shard's view: every shard sees the same workers
-            run = status.around(coordinators[0], run)
-        training = asyncio.create_task(stopping_on_signals(coordinators, run))
+        if training is None:
+            training = asyncio.create_task(stopping_on_signals(coordinators, run))
         either: set[asyncio.Future[Any]] = {training, failure}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
@@ -177,28 +195,22 @@ async def _launch(
         if options.save is not None:
             save_model(final_model(spec, coordinators), options.save)
         return summary
+    except StandbyFailed as e:
+        raise LocalRunError(str(e)) from None
     finally:
+        if training is not None and not training.done():
+            training.cancel()
+            await asyncio.gather(training, return_exceptions=True)
+        elif training is None:
+            run.close()  # (a coroutine never awaited: the run never began)
+        if standby is not None:
+            await standby.end()
         await _reap(workers, timeout=0.0)
         for relay in relays:
             relay.cancel()
         await asyncio.gather(*relays, return_exceptions=True)
         if any(p.returncode != 0 for p in workers):
             sweep()  # what workers killed here or before had in shared memory
-
-
-async def _spawn(argv: list[str]) -> asyncio.subprocess.Process:
-    """`python -m tensorbus ARGV`, a fresh interpreter, as a worker of this launcher: its
-    stdout and stderr in one pipe (`stdout`), unbuffered, as a forked one's (see _relay)."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-u", "-m", "tensorbus", *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        preexec_fn=die_with_parent,
-        # Its own session: Ctrl-C in the terminal reaches the launcher alone, which
-        # stops the workers gracefully through the coordinator.
-        start_new_session=True,
-    )
 
 
 async def _relay(

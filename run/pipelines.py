@@ -33,7 +33,7 @@ from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.nodes.pipeline_directory import PipelineDirectory
 from tensorbus.nodes.pipeline_order import bubble
 from tensorbus.nodes.stages import Stage, StagesError, call_stages, cut, parameters_of, whole
-from tensorbus.run.children import Forks
+from tensorbus.run.children import Forks, spawn
 from tensorbus.run.export import save_model
 from tensorbus.run.faults import parse_local
 from tensorbus.run.local import (
@@ -42,7 +42,6 @@ from tensorbus.run.local import (
     LocalRunError,
     Process,
     _reap,
-    _spawn,
     threads_per_worker,
 )
 from tensorbus.run.options import RunOptions, coordinator_config, make_strategy
@@ -242,7 +241,7 @@ async def launch_pipelines(
                     "--log-level", log_level, "--device", devices[index], *extra]
             name = f"tb stage {stage} pipeline {pipeline}"
             process = (await forks.start(name, "tensorbus", argv) if forks is not None
-                       else await _spawn(argv))
+                       else await spawn(argv))
             workers.append(process)
             pipelines.processes[(pipeline, stage)] = process
             relays.append(asyncio.create_task(_relay(pipeline, stage, process, pipelines)))

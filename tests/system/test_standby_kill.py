@@ -71,3 +71,20 @@ def test_a_coordinator_killed_mid_run_is_taken_over_by_its_standby(tmp_path: Pat
     assert (summary["steps"], summary["samples"]) == (want["steps"], want["samples"])
     assert summary["final_loss"] == pytest.approx(want["final_loss"], abs=1e-5)
     assert summary["accuracy"] == pytest.approx(want["accuracy"], abs=0.005)
+
+
+def test_local_standby_follows_every_version_and_ends_with_the_run(tmp_path: Path) -> None:
+    """`local --standby`: its standby follows before any worker starts, takes every version
+    (by reference: it is on this host) and ends with the run, taking nothing over."""
+    done = zygote.shared().run(["local", str(ROOT / "examples" / "digits.py"), *RUN, "--standby",
+                                "--json", "--no-progress", "--metrics", str(tmp_path / "m.jsonl"),
+                                *QUIET], cwd=ROOT, capture_output=True, text=True, timeout=100,
+                               check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    standby = _summary(done.stdout)["standby"]
+    assert standby == {"term": 0, "standby": None, "replicated": 151,  # versions 0..150
+                       "replicate_s": standby["replicate_s"], "by_reference": True}
+    assert "[standby] the coordinator at tcp://127.0.0.1:" in done.stderr
+    assert "ended its run: this standby took nothing over" in done.stderr
+    records = (tmp_path / "m.standby.jsonl").read_text()
+    assert '"event": "following"' in records and '"event": "takeover"' not in records
