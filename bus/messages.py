@@ -38,6 +38,7 @@ class Kind(enum.IntEnum):
     RESULT = 13  # rendezvous -> rank: how collective `seq` ended, with its tensor if any
     CHANGES = 14  # coordinator -> workers: the elements that changed since version `base`
     DESCRIBE = 15  # worker -> coordinator: the model and optimizer it trains (answered by ACK)
+    FRAGMENT = 16  # coordinator -> workers: one fragment of `version`, the rest as version - 1
 
 
 class RejectCode(str, enum.Enum):
@@ -169,6 +170,11 @@ class Welcome(Message):
     # (0: no clipping); where gradients are pushed, the coordinator clips their average.
     clip_grad_norm: float = 0.0
     precision: str = ""  # the forward's autocast: "", "bf16-mixed" or "fp16-mixed"
+    # Streaming averaging: the model cut into this many fragments (bus.layout.Layout.fragments),
+    # one pushed every local_steps, and the share of its own weights a worker keeps when a
+    # fragment's average comes back; 0 fragments: whole pushes, each waited for.
+    fragments: int = 0
+    mix: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +206,9 @@ class Push(Message):
     # A script's own loop (nodes.own_loop): its optimizer's learning rates, one a parameter
     # group, as JSON, which the coordinator's copy of it steps with ("": not a script).
     lrs: str = ""
+    # Streaming averaging: the fragment of the model its tensors are (that fragment's layout,
+    # checked by the codec); -1: the whole model (or the whole shard).
+    fragment: int = -1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +246,24 @@ class Changes(Message):
     CARRIES_STATE = True
     SPARSE = True
     base: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fragment(Message):
+    """The weights of `version` as one fragment of them (bus.layout.Layout.fragments): the
+    version streaming averaging made by averaging that fragment alone, whose other
+    fragments are those of version - 1 (a broadcast). Exact, as Changes are: written over
+    the weights of version - 1, they give those of `version`, bit for bit."""
+
+    KIND = Kind.FRAGMENT
+    CARRIES_TENSORS = True
+    CARRIES_STATE = True
+    fragment: int  # which one; its tensors are that fragment's layout
+
+    @property
+    def base(self) -> int:
+        """The version whose weights this one is written over."""
+        return self.version - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,5 +335,5 @@ def _field_types(cls: type[Message]) -> dict[str, type]:
 SCHEMA: Final[dict[Kind, tuple[type[Message], dict[str, type]]]] = {
     cls.KIND: (cls, _field_types(cls))
     for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject,
-                Collective, Result, Changes, Describe)
+                Collective, Result, Changes, Describe, Fragment)
 }

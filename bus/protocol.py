@@ -15,8 +15,9 @@ from typing import Final
 # names carry their creator's start time (bus.shared.sweep); 8: the Welcome's seed; 9: a
 # push says its shard's length once known (data() without len()); 10: the model's buffers
 # ride with pushes and weights (header key "b"), the Welcome's clip_grad_norm and
-# precision, a push's fp16 overflows; 11: Describe (a script's own loop), a push's lrs
-PROTOCOL_VERSION: Final = 11
+# precision, a push's fp16 overflows; 11: Describe (a script's own loop), a push's lrs;
+# 12: streaming averaging: Fragment, a push's fragment, the Welcome's fragments and mix
+PROTOCOL_VERSION: Final = 12
 
 
 def _build() -> str:

@@ -8,7 +8,7 @@ repacked, so that each test names the one check that must fire.
 
 import math
 import struct
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 
 import msgpack
 import numpy as np
@@ -49,6 +49,7 @@ from tensorbus.bus.messages import (
     Changes,
     Collective,
     Describe,
+    Fragment,
     Heartbeat,
     Join,
     Kind,
@@ -152,11 +153,12 @@ SAMPLES = {
                           batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9,
                           compress="bf16",
                           shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
-                          seed=3, clip_grad_norm=0.5, precision="bf16-mixed", tensors=WEIGHTS),
+                          seed=3, clip_grad_norm=0.5, precision="bf16-mixed", fragments=4,
+                          mix=0.25, tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14, overflows=2,
-                    lrs="[0.1, 0.01]", tensors=WEIGHTS),
+                    lrs="[0.1, 0.01]", fragment=2, tensors=WEIGHTS),
     Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
     Kind.PULL: Pull(sender=3, request=14, version=6),
     Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, generation=3, tensors=WEIGHTS),
@@ -177,6 +179,8 @@ SAMPLES = {
     Kind.DESCRIBE: Describe(sender=3, request=21, version=1, layout="0f1e2d3c4b5a6978",
                             model='{"params": [["w", [6], "float32", true]], "buffers": []}',
                             build="0.1.0", tensors=WEIGHTS),
+    Kind.FRAGMENT: Fragment(sender=COORDINATOR, request=22, version=10, fragment=1,
+                            tensors=WEIGHTS),
 }
 
 
@@ -216,7 +220,7 @@ def test_header_is_the_documented_map():
         "t": [["float32", [6], 24, CHUNK_BYTES], ["int64", [3], 24, CHUNK_BYTES]],
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
               "comm_s": 0.003, "wait_s": 0.01, "batches": 14, "overflows": 2,
-              "lrs": "[0.1, 0.01]"},
+              "lrs": "[0.1, 0.01]", "fragment": 2},
     }
     assert len(frames) == 3
 
@@ -386,7 +390,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, -1, 255, "11", None, [11]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, -1, 255, "12", None, [12]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
@@ -812,6 +816,44 @@ def test_changes_that_do_not_fit_the_layout_are_refused(tensors, reason):
     assert info.value.reason == reason
 
 
+FRAGMENTS = (Layout.of([("a", torch.zeros(4))]), Layout.of([("b", torch.zeros(2)),
+                                                            ("n", torch.zeros(4, dtype=torch.int64))]))
+
+
+@pytest.mark.parametrize("cls", [Push, Fragment], ids=lambda c: c.__name__)
+def test_a_message_of_a_fragment_is_checked_against_that_fragment(cls):
+    """Streaming averaging: a push (or a broadcast) of fragment i has fragment i's layout."""
+    base = SAMPLES[cls.KIND]
+    tensors = (torch.ones(2), torch.arange(4))
+    message = decode(received(encode(replace(base, fragment=1, tensors=tensors))),
+                     layout=MODEL, fragments=FRAGMENTS)
+    assert message.fragment == 1
+    assert_same_tensors(message.tensors, tensors)
+    with pytest.raises(LayoutError) as info:  # fragment 0's layout is another
+        decode(received(encode(replace(base, fragment=0, tensors=tensors))), layout=MODEL,
+               fragments=FRAGMENTS)
+    assert info.value.reason == "2 buffers, the model has 1"
+
+
+@pytest.mark.parametrize(("fragment", "fragments", "reason"), [
+    (2, FRAGMENTS, "fragment 2 of a model in 2 fragments"),
+    (-2, FRAGMENTS, "fragment -2 of a model in 2 fragments"),
+    (0, (), "fragment 0 of a model not in fragments"),
+])
+def test_a_fragment_the_model_is_not_cut_into_is_refused(fragment, fragments, reason):
+    frames = received(encode(replace(SAMPLES[Kind.PUSH], fragment=fragment)))
+    with pytest.raises(LayoutError) as info:
+        decode(frames, layout=MODEL, fragments=fragments)
+    assert info.value.reason == reason
+    assert info.value.code is RejectCode.LAYOUT
+
+
+def test_a_whole_push_is_checked_against_the_model_where_it_is_cut():
+    tensors = (torch.ones(6), torch.arange(4))
+    push = decode(layout_push(*tensors), layout=MODEL, fragments=FRAGMENTS)
+    assert push.fragment == -1
+
+
 def test_kinds_without_tensors_pass_a_layout_check():
     assert decode(received(encode(SAMPLES[Kind.ACK])), layout=MODEL) == SAMPLES[Kind.ACK]
 
@@ -826,7 +868,7 @@ def test_tensor_kind_without_tensors_fails_the_layout_check(kind):
     cls = SCHEMA[kind][0]
     message = SAMPLES[kind]
     empty = cls(**{f.name: getattr(message, f.name) for f in fields(message)
-                   if f.name != "tensors"})
+                   if f.name not in ("tensors", "fragment")})
     with pytest.raises(LayoutError) as info:
         decode(received(encode(empty)), layout=MODEL)
     assert info.value.reason == "0 buffers, the model has 2"
