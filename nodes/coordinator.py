@@ -197,6 +197,13 @@ class Coordinator:
         compression = Compression.parse(config.compress)
         compression.check(weights_pushed, strategy.name)
         self._wire_layout = compression.wire(self.flat.layout)
+        # Streaming averaging: the model's fragments, and the layouts their pushes travel as.
+        if strategy.rhythm.fragments and isinstance(model, ShardModel):
+            raise ValueError("streaming averaging (fragments) needs the whole model at one "
+                             "coordinator: drop the shards, or the fragments")
+        fragments = (self.flat.layout.fragments(strategy.rhythm.fragments)
+                     if strategy.rhythm.fragments else ())
+        self._fragment_layouts = tuple(compression.wire(f.layout) for f in fragments)
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -215,7 +222,7 @@ class Coordinator:
                    if self._STEPS else None)
         self.master = Master(self.flat, stepped, sets, compression=compression,
                              weights_pushed=weights_pushed, alias=self._ALIAS,
-                             clip_grad_norm=config.clip_grad_norm)
+                             clip_grad_norm=config.clip_grad_norm, fragments=fragments)
         if pool is not None:  # every version is made in the given pool's sets, the first too
             self.flat.rebind(self.master.copy())
         correct_momentum(self.master.optimizer, strategy)
@@ -383,7 +390,8 @@ class Coordinator:
             try:
                 # Tensors by reference only from members (bus.shared: the trust it needs).
                 message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout,
-                                 segments=self._serving.segments if member else None)
+                                 segments=self._serving.segments if member else None,
+                                 fragments=self._fragment_layouts)
             except WireError as e:
                 code, detail = e.code, str(e)[:1000]
                 if isinstance(e, SharedTensorError) and not member:
@@ -435,7 +443,14 @@ class Coordinator:
                 await self._parking.answer(peer, member, message.request, decisions, now, push=False,
                                           version=self.version)
                 await self._carry_out(decisions)
-            case Push(batches=batches):
+            case Push(batches=batches, fragment=fragment):
+                if fragment != self.strategy.rhythm.fragment(message.version):
+                    # (Its tensors are that fragment's, as the codec checked: not the one
+                    # this run averages on that version, or a whole model where it streams.)
+                    await self._refuse(peer, message, RejectCode.LAYOUT, (
+                        f"a push of fragment {fragment} on version {message.version}, where "
+                        f"the run's pushes carry fragment {self.strategy.rhythm.fragment(message.version)}"))
+                    return
                 # Fresher than its last beat (beats come every heartbeat_s): for the status.
                 member.phase = Phase.PUSHING.value
                 member.version = max(member.version, message.version)

@@ -104,6 +104,10 @@ class Relay(Coordinator):
                     f"the root's workers push {welcome.push} and this relay's strategy "
                     f"({self.strategy.name}) pushes {self.strategy.rhythm.push.value}: give the "
                     "relay sync under a sync, ssp or async root, average under an average root"))
+            if welcome.fragments:
+                raise RejectedError(RejectCode.UNEXPECTED.value, (
+                    "the root streams its averages in fragments (--fragments), and a relay "
+                    "pushes the whole model: start the root without --fragments"))
             size = self.config.max_workers or self.strategy.workers
             self.config = replace(self.config, batch_size=welcome.batch_size,
                                   first_rank=self.rank * size,

@@ -368,6 +368,14 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
     s.add_argument("--outer-momentum", type=float, help="average: its momentum")
     s.add_argument("--nesterov", action="store_true", default=None,
                    help="average: Nesterov momentum for the outer SGD")
+    s.add_argument("--fragments", type=int, metavar="P",
+                   help="average: stream the averages: cut the model into P fragments and "
+                        "push one every H/P local steps, computing on while it travels "
+                        "(Streaming DiLoCo); H must be a multiple of P")
+    s.add_argument("--fragment-mix", type=float, metavar="A",
+                   help="average with --fragments: when a fragment's average comes back, "
+                        "each worker keeps A of its own weights of it and takes 1-A of the "
+                        "average (default 0.5)")
 
 
 def _shards(args: argparse.Namespace) -> int:

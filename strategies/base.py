@@ -31,6 +31,9 @@ class Wait(str, enum.Enum):
     NEWER = "newer"  # a version newer than the one it computed on (sync, average)
     ANSWERED = "answered"  # the version named in the answer: all updates taken before it (ssp)
     NOTHING = "nothing"  # goes on with the newest weights it has (async)
+    # Computes its next local steps at once, and waits for a version newer than the one it
+    # computed on only before its next push (streaming averaging)
+    OVERLAPPED = "overlapped"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +43,16 @@ class Rhythm:
     push: PushKind
     local_steps: int = 1  # optimizer steps (or gradients) between pushes
     wait: Wait = Wait.NEWER
+    # Streaming averaging: each push is one of this many fragments of the model, in turn
+    # (0: the whole model); `mix` is the share of its own weights a worker keeps of a
+    # fragment when that fragment's average comes back.
+    fragments: int = 0
+    mix: float = 0.0
+
+    def fragment(self, version: int) -> int:
+        """The fragment pushes computed on `version` carry (-1: the whole model): one after
+        the other, so that each is averaged every `fragments` versions."""
+        return version % self.fragments if self.fragments else -1
 
 
 @dataclass(frozen=True, kw_only=True)

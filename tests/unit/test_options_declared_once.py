@@ -140,3 +140,13 @@ def test_a_relay_s_settings_are_copied_by_name() -> None:
     copied: dict[str, Any] = same_named(CoordinatorConfig, args)
     assert copied == {"bind": BIND, "pub_port": 7001, "heartbeat_s": 0.2, "timeout_s": 2.0,
                       "join_timeout_s": 9.0, "keys": None, "shared_memory": False}
+
+
+def test_streaming_options_reach_the_strategy_and_refuse_what_splits_the_model() -> None:
+    options = _options("--workers", "2", "--strategy", "average", "--average-every", "8",
+                       "--fragments", "4", "--fragment-mix", "0.25", "--compress", "int4")
+    assert options.strategy_options == {"average_every": 8, "fragments": 4, "fragment_mix": 0.25}
+    for split in (["--shards", "2"], ["--colocate"]):
+        with pytest.raises(ValueError, match="^--fragments streams the averages of the whole "
+                                             "model through one coordinator"):
+            _options("--workers", "2", "--strategy", "average", "--fragments", "2", *split)

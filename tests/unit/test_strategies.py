@@ -621,6 +621,41 @@ def test_outer_optimizer_validates_on_its_own():
     assert OuterOptimizer(lr=1.0) == OuterOptimizer(lr=1.0, momentum=0.0, nesterov=False)
 
 
+def test_fragments_push_one_every_h_over_p_steps_in_turn_without_waiting():
+    avg = PeriodicAveraging(workers=2, average_every=12, fragments=3, fragment_mix=0.25)
+    assert avg.rhythm == Rhythm(push=PushKind.WEIGHTS, local_steps=4, wait=Wait.OVERLAPPED,
+                                fragments=3, mix=0.25)
+    assert [avg.rhythm.fragment(v) for v in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert PeriodicAveraging(workers=2, average_every=4, fragments=2).rhythm.mix == 0.5
+    assert PeriodicAveraging(workers=2).rhythm.fragment(5) == -1  # the whole model
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"average_every": 8, "fragments": 0}, r"fragments must be in 1\.\.average_every \(8\)"),
+        ({"average_every": 4, "fragments": 8}, r"fragments must be in 1\.\.average_every \(4\)"),
+        ({"average_every": 8, "fragments": 3}, r"average_every \(8\) must be a multiple of "
+                                               r"fragments \(3\)"),
+        ({"fragment_mix": 0.5}, "fragment_mix needs fragments"),
+        ({"fragments": 2, "fragment_mix": 1.0}, r"fragment_mix must be in \[0, 1\)"),
+        ({"fragments": 2, "fragment_mix": -0.1}, r"fragment_mix must be in \[0, 1\)"),
+        ({"fragments": 2, "fragment_mix": math.nan}, r"fragment_mix must be in \[0, 1\)"),
+    ],
+)
+def test_invalid_fragments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PeriodicAveraging(workers=2, **kwargs)
+
+
+def test_streamed_rounds_are_sync_rounds():
+    """A version is one fragment's average: the barrier is sync's all the same."""
+    rng = random.Random(3)
+    events = [Joined(w, 0.0) for w in range(3)] + random_events(rng, 3, 300)
+    streamed = PeriodicAveraging(workers=3, average_every=4, fragments=2, stall_after_s=20.0)
+    assert play(streamed, events) == play(Sync(workers=3, stall_after_s=20.0), events)
+
+
 def random_events(rng, n, count):
     """A plausible coordinator's event stream: joins, pushes (fresh, late, ahead, foreign),
     leaves and ticks, with `now` increasing."""
@@ -710,7 +745,8 @@ def test_options_per_model():
     assert Sync.options == {"backups"}
     assert StaleSync.options == {"staleness", "staleness_lr", "momentum_correction"}
     assert Async.options == {"staleness_lr", "momentum_correction"}
-    assert PeriodicAveraging.options == {"average_every", "outer_lr", "outer_momentum", "nesterov"}
+    assert PeriodicAveraging.options == {"average_every", "outer_lr", "outer_momentum", "nesterov",
+                                         "fragments", "fragment_mix"}
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
