@@ -209,6 +209,7 @@ class Push(Message):
     # Streaming averaging: the fragment of the model its tensors are (that fragment's layout,
     # checked by the codec); -1: the whole model (or the whole shard).
     fragment: int = -1
+    steps: int = 0  # local steps behind it (0: as many as the Welcome said)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +217,9 @@ class Ack(Message):
     KIND = Kind.ACK
     dropped: str = ""  # empty: taken; otherwise why the update was dropped
     held_s: float = 0.0  # how long the strategy held this answer back (ssp's bound, the gate)
+    # The local steps to take before the next push, where they are the worker's own
+    # (async-average's dynamic local steps); 0: as many as the Welcome said.
+    local_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,8 +16,9 @@ from typing import Final
 # push says its shard's length once known (data() without len()); 10: the model's buffers
 # ride with pushes and weights (header key "b"), the Welcome's clip_grad_norm and
 # precision, a push's fp16 overflows; 11: Describe (a script's own loop), a push's lrs;
-# 12: streaming averaging: Fragment, a push's fragment, the Welcome's fragments and mix
-PROTOCOL_VERSION: Final = 12
+# 12: streaming averaging: Fragment, a push's fragment, the Welcome's fragments and mix;
+# 13: a push's local steps, an Ack's (async-average's dynamic local steps)
+PROTOCOL_VERSION: Final = 13
 
 
 def _build() -> str:

@@ -245,7 +245,7 @@ class Coordinator:
                                 workers=strategy.workers, metrics=self.metrics, server=server)
         self._rejections = Rejections(self.metrics, clock, workers=strategy.workers)
         self._parking = Parking(self._serving.reply, metrics=self.metrics, watch=self.watch, clock=clock,
-                                wait=strategy.rhythm.wait)
+                                wait=strategy.rhythm.wait, local_steps=strategy.local_steps)
         self._intake = Intake(stepper=self.stepper, strategy=strategy, length=self._length,
                               metrics=self.metrics, watch=self.watch, buffers=self._buffers,
                               rejections=self._rejections, clock=clock)
@@ -515,7 +515,8 @@ class Coordinator:
             self._parking.park(member.rank, peer, message.request, now, push=True)
         elif dropped:
             await self._serving.reply(peer, Ack(request=message.request, version=self.version,
-                                                dropped=dropped))
+                                                dropped=dropped,
+                                                local_steps=self.strategy.local_steps(member.rank) or 0))
             self.watch.answered(member.rank)
         else:
             member.clock = max(member.clock, message.clock + 1)  # what it says, once taken
@@ -607,9 +608,9 @@ class Coordinator:
         self.metrics.max_staleness = max(self.metrics.max_staleness, staleness)
         loss = sum(h.loss for h in held) / len(held)
         samples = sum(h.samples for h in held)
-        for w in decision.workers:
+        for w, h in zip(decision.workers, held, strict=True):
             self.metrics.worker(w)["applied"] += 1
-            self._length.used(w, self.strategy.rhythm.local_steps)
+            self._length.used(w, h.steps)
         lr = stepped_lr(self.master.optimizer, self.strategy, self.lr)  # (this version's)
         self.metrics.step(self.version, loss, samples, decision.workers, staleness, lr=lr)
         if self._schedule is not None:  # (after the samples are counted: epochs are samples)

@@ -106,7 +106,8 @@ class StreamingLoop:
                 await self._on_thread(functools.partial(self._fragments.fill, fragment))
                 push = Push(sender=worker.rank, version=version, clock=clock, loss=loss,
                             samples=samples, tensors=self._fragments.parts[fragment],
-                            fragment=fragment, began=began, compute_s=computed - started,
+                            fragment=fragment, steps=self._local_steps, began=began,
+                            compute_s=computed - started,
                             comm_s=self._comm_s, wait_s=self._wait_s, batches=self._data.length,
                             overflows=self._steps.scale.skipped if self._steps.scale else 0,
                             state=link.model_buffers.copy() if link.model_buffers is not None else ())

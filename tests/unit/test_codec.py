@@ -158,8 +158,9 @@ SAMPLES = {
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14, overflows=2,
-                    lrs="[0.1, 0.01]", fragment=2, tensors=WEIGHTS),
-    Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
+                    lrs="[0.1, 0.01]", fragment=2, steps=5, tensors=WEIGHTS),
+    Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25,
+                  local_steps=6),
     Kind.PULL: Pull(sender=3, request=14, version=6),
     Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, generation=3, tensors=WEIGHTS),
     Kind.HEARTBEAT: Heartbeat(sender=3, request=15, version=8, phase="computing", clock=42),
@@ -220,7 +221,7 @@ def test_header_is_the_documented_map():
         "t": [["float32", [6], 24, CHUNK_BYTES], ["int64", [3], 24, CHUNK_BYTES]],
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
               "comm_s": 0.003, "wait_s": 0.01, "batches": 14, "overflows": 2,
-              "lrs": "[0.1, 0.01]", "fragment": 2},
+              "lrs": "[0.1, 0.01]", "fragment": 2, "steps": 5},
     }
     assert len(frames) == 3
 
@@ -390,7 +391,8 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, -1, 255, "12", None, [12]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, -1, 255, "13", None,
+                                     [13]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
