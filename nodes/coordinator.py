@@ -125,6 +125,11 @@ log = logging.getLogger("tensorbus.coordinator")
 _STATES = {"waiting": "barrier"}
 
 
+def _part(fragment: int) -> str:
+    """How a refusal names what a push carries (bus.messages.Push.fragment)."""
+    return "the whole model" if fragment < 0 else f"fragment {fragment}"
+
+
 @dataclass(frozen=True)
 class Progress:
     version: int
@@ -444,12 +449,13 @@ class Coordinator:
                                           version=self.version)
                 await self._carry_out(decisions)
             case Push(batches=batches, fragment=fragment):
-                if fragment != self.strategy.rhythm.fragment(message.version):
+                expected = self.strategy.rhythm.fragment(message.version)
+                if fragment != expected:
                     # (Its tensors are that fragment's, as the codec checked: not the one
                     # this run averages on that version, or a whole model where it streams.)
                     await self._refuse(peer, message, RejectCode.LAYOUT, (
-                        f"a push of fragment {fragment} on version {message.version}, where "
-                        f"the run's pushes carry fragment {self.strategy.rhythm.fragment(message.version)}"))
+                        f"a push of {_part(fragment)} on version {message.version}, where this "
+                        f"run's pushes on it carry {_part(expected)}"))
                     return
                 # Fresher than its last beat (beats come every heartbeat_s): for the status.
                 member.phase = Phase.PUSHING.value

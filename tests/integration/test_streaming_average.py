@@ -9,13 +9,19 @@ Nesterov step on that fragment's parameters alone, or as int4 changes with error
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from typing import Any
 
+import msgpack
 import pytest
 import torch
 from equivalence import digits, initial, max_difference
 from test_quantized_average import _flat, _load, _sgd
 
+from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.messages import Kind, Message, Push, Reject
 from tensorbus.bus.quantize import VALUE_DTYPE, dequantize_add, quantize, sizes
+from tensorbus.bus.transport import ZmqClient
 from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.strategies import PeriodicAveraging
@@ -29,7 +35,8 @@ OUTER = (0.7, 0.9)  # the outer SGD's lr and Nesterov momentum
 FRAGMENTS = ((0,), (1, 2, 3))
 
 
-def _train(*, compress: str = "", outer: bool = False, mix: float = 0.5) -> Coordinator:
+def _train(*, compress: str = "", outer: bool = False, mix: float = 0.5,
+           transport: Any = ZmqClient) -> Coordinator:
     async def train() -> Coordinator:
         strategy = PeriodicAveraging(
             workers=WORKERS, average_every=H, fragments=P, fragment_mix=mix,
@@ -40,7 +47,7 @@ def _train(*, compress: str = "", outer: bool = False, mix: float = 0.5) -> Coor
                                                            compress=compress))
         endpoint = coordinator.bind()
         team = [Worker(model=digits.model(), data=digits.data, loss=digits.loss, optimizer=_sgd,
-                       config=WorkerConfig(connect=endpoint, rank=rank))
+                       config=WorkerConfig(connect=endpoint, rank=rank), transport=transport)
                 for rank in range(WORKERS)]
         await asyncio.gather(coordinator.run(), *(w.run() for w in team))
         return coordinator
@@ -127,3 +134,58 @@ def test_streaming_is_fragments_averaged_in_turn_and_mixed_in_by_hand(
     assert max_difference(want, initial()) > 1e-2  # it trained
     # The mixing is in it: replacing a fragment with its average (mix 0) ends elsewhere.
     assert max_difference(want, _by_hand(bits=bits, outer=outer, mix=0.0)) > 1e-4
+
+
+WRONG = 1 << 40  # the request ids of the pushes sent beside worker 0's own
+
+
+class _WrongFragments(ZmqClient):
+    """Worker 0's connection. Before its push on version 1 (fragment 1) it sends two that
+    this run must refuse: its push on version 0 (fragment 0's tensors) said to be on
+    version 1, and the whole model's weights; it keeps the answers, which the worker
+    ignores."""
+
+    answers: dict[int, Message] = {}
+
+    def __init__(self, connect: str, **options: Any) -> None:
+        super().__init__(connect, **options)
+        self._first: Push | None = None
+        self._fragments = FlatModel(initial()).layout.fragments(P)
+
+    async def send(self, frames: Any) -> Any:
+        header = msgpack.unpackb(frames[0])
+        if header["k"] == Kind.PUSH and header["s"] == 0:
+            push = decode(frames, layout=FlatModel(initial()).layout,
+                          fragments=[f.layout for f in self._fragments])
+            assert isinstance(push, Push)
+            if push.version == 0:  # (copied: the worker writes that part again)
+                self._first = replace(push, tensors=tuple(t.clone() for t in push.tensors))
+            elif push.version == 1 and self._first is not None:
+                whole = tuple(w.clone() for w in FlatModel(initial()).weights)
+                for request, lie in enumerate((replace(self._first, version=1),
+                                               replace(self._first, version=1, fragment=-1,
+                                                       tensors=whole)), WRONG):
+                    await super().send(encode(replace(lie, request=request)))
+                self._first = None
+        return await super().send(frames)
+
+    async def recv(self) -> Any:
+        frames = await super().recv()
+        request = msgpack.unpackb(frames[0])["r"]
+        if request >= WRONG:
+            _WrongFragments.answers[request] = decode(frames)
+        return frames
+
+
+def test_a_push_of_another_fragment_than_its_version_s_is_refused() -> None:
+    _WrongFragments.answers = {}
+    coordinator = _train(outer=True, transport=_WrongFragments)
+    answers = _WrongFragments.answers
+    assert sorted(answers) == [WRONG, WRONG + 1]
+    assert all(isinstance(a, Reject) and a.code == "layout" for a in answers.values())
+    assert answers[WRONG].detail == ("a push of fragment 0 on version 1, where this run's "
+                                     "pushes on it carry fragment 1")
+    assert answers[WRONG + 1].detail.startswith("a push of the whole model on version 1")
+    assert coordinator.metrics.rejected["layout"] == 2
+    for g, w in zip(coordinator.model.parameters(), _by_hand(outer=True).parameters(), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)  # nothing of them taken
