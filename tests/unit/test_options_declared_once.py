@@ -12,7 +12,7 @@ import pytest
 
 from tensorbus.bus.security import ServerKeys, make_keys
 from tensorbus.nodes.config import CoordinatorConfig
-from tensorbus.run import flags
+from tensorbus.run import flags, own_loop
 from tensorbus.run.options import NODE_SETTINGS, RunOptions, coordinator_config, same_named
 
 pytestmark = pytest.mark.timeout(30)
@@ -150,3 +150,10 @@ def test_streaming_options_reach_the_strategy_and_refuse_what_splits_the_model()
         with pytest.raises(ValueError, match="^--fragments streams the averages of the whole "
                                              "model through one coordinator"):
             _options("--workers", "2", "--strategy", "average", "--fragments", "2", *split)
+
+
+def test_a_script_s_own_loop_refuses_fragments() -> None:
+    options = RunOptions(workers=2, strategy="average", strategy_options={"fragments": 2})
+    with pytest.raises(ValueError, match="^--fragments: a script's own loop pushes the whole "
+                                         "model at each average"):
+        own_loop.check(options)
