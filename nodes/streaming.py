@@ -100,7 +100,7 @@ class StreamingLoop:
                     await self._take(link, in_flight)
                     in_flight = None
                 version = link.versions.version
-                fragment = version % len(self._fragments.fragments)
+                fragment = version % len(self._fragments.fragments)  # (Rhythm.fragment)
                 await wait_sent(self._sent[fragment], timeout=link.timeout_s,
                                 what="the last push of the fragment")
                 await self._on_thread(functools.partial(self._fragments.fill, fragment))
@@ -123,7 +123,7 @@ class StreamingLoop:
     async def _take(self, link: Link, pushed: _InFlight) -> None:
         """The answer to the last push, then the version it made (or, where the push was
         not taken, the newest), loaded and mixed into the model."""
-        versions = self._worker.links[0].versions
+        versions = link.versions
         answering = self._clock.monotonic()
         answer, self._sent[pushed.fragment] = await pushed.answer
         waiting = self._clock.monotonic()
