@@ -1,5 +1,6 @@
 """Training over slow links: time to a target figure, and bytes on the wire per step, for
-DDP, sync, average and average with int4 changes, side by side in one run.
+DDP, sync, average, streaming average and async-average, with and without int4 changes,
+side by side in one run.
 
 The coordinator and each of --workers workers run in a network namespace of their own
 (tests/netns.py), every worker's link shaped to --rate-mbit in each direction (tc tbf), as
@@ -11,10 +12,17 @@ examples/tiny_gpt.py, a language model with AdamW), --batch-size a worker:
   address is the rendezvous). Rank 0 evaluates the model every --ddp-eval-every steps,
   while the others wait; that time is not counted as training.
 - sync, average:H (H local steps a round), average-int4:H (the same, `--compress int4`),
-  diloco:H and diloco-int4:H (average with DiLoCo's outer step: lr 0.7, Nesterov 0.9):
+  diloco:H and diloco-int4:H (average with DiLoCo's outer step: lr 0.7, Nesterov 0.9),
+  streaming:H, streaming-int4:H and streaming-diloco-int4:H (the same with `--fragments
+  P`, this benchmark's --fragments: one of P fragments averaged every H/P local steps
+  while the workers compute on), async-average-int4:H and async-dn-int4:H
+  (async-average; the second with delayed Nesterov, lr 0.7 and momentum 0.9, and
+  `--dynamic-steps`):
   `tensorbus coordinator` and `tensorbus worker`s, with `--eval-every 1` (a copy of the
   weights each second of training, evaluated once training is over) and
   `--no-shared-memory`: the namespaces share this host's /dev/shm, which machines would not.
+- --slow MS makes worker 1 (DDP's rank 1 too) sleep MS milliseconds a local step: a
+  straggler, for async-average against average.
 
 Each method trains for --seconds of training time. Reported for each:
 
@@ -22,14 +30,19 @@ Each method trains for --seconds of training time. Reported for each:
   reaches --target: at least it for accuracy, at most it for a loss or bits a byte;
 - the final figure;
 - bytes per worker per step: what each worker's link received and sent (its interface's
-  counters, TCP/IP headers included, joining and leaving too), over the training steps it
-  took (its local steps under average), and DDP's figure divided by it.
+  counters, TCP/IP headers included, joining and leaving too), over the training steps a
+  worker took (local steps under the averaging methods: the samples trained on over the
+  batch and the workers), and DDP's figure divided by it.
 
 Needs root (network namespaces); elsewhere it says why and writes nothing.
 
     python -m benchmarks slow_links
     python -m benchmarks slow_links --spec examples/tiny_gpt.py --batch-size 16 \
         --metric bits_per_byte --target 3.5 --methods ddp sync diloco:32 diloco-int4:32
+    python -m benchmarks slow_links --methods ddp sync average-int4:64 streaming-int4:64 \
+        --out /tmp/slow                                                 # streaming against DDP
+    python -m benchmarks slow_links --slow 60 --methods average-int4:16 async-average-int4:16 \
+        async-dn-int4:16                                                # a straggler
     python -m benchmarks slow_links --seconds 10 --methods sync ddp     # a smoke test
 """
 
@@ -61,12 +74,24 @@ from netns import (  # noqa: E402 - the namespaces' helper lives with the tests 
 )
 
 SPEC = ROOT / "examples" / "fashion_mnist.py"
-AVERAGES = {"average": [], "average-int4": ["--compress", "int4"],
-            "diloco": ["--outer-lr", "0.7", "--outer-momentum", "0.9", "--nesterov"],
-            "diloco-int4": ["--outer-lr", "0.7", "--outer-momentum", "0.9", "--nesterov",
-                            "--compress", "int4"]}
+DILOCO = ["--outer-lr", "0.7", "--outer-momentum", "0.9", "--nesterov"]
+INT4 = ["--compress", "int4"]
+STREAM = ["--fragments", "{fragments}"]  # (the benchmark's --fragments)
+# Each averaging method of --methods NAME:H: its strategy and options (H: --average-every).
+AVERAGES = {
+    "average": ["--strategy", "average"],
+    "average-int4": ["--strategy", "average", *INT4],
+    "diloco": ["--strategy", "average", *DILOCO],
+    "diloco-int4": ["--strategy", "average", *DILOCO, *INT4],
+    "streaming": ["--strategy", "average", *STREAM],
+    "streaming-int4": ["--strategy", "average", *STREAM, *INT4],
+    "streaming-diloco-int4": ["--strategy", "average", *STREAM, *DILOCO, *INT4],
+    "async-average-int4": ["--strategy", "async-average", *INT4],
+    "async-dn-int4": ["--strategy", "async-average", "--outer-lr", "0.7", "--outer-momentum",
+                      "0.9", "--dynamic-steps", *INT4],
+}
 PORT = 5555  # each namespace is new: any port is free in it
-METHODS = ("ddp", "sync", "average:16", "average-int4:16", "average-int4:64")
+METHODS = ("ddp", "sync", "average:16", "average-int4:16", "average-int4:64", "streaming-int4:64")
 
 DDP = '''
 import importlib.util, json, sys, time
@@ -75,6 +100,7 @@ import torch.distributed as dist
 
 rank, world, seconds, every, lr, batch = (int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
                                           int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]))
+slow_s = float(sys.argv[8]) / 1000 if rank == 1 else 0.0  # a straggler's sleep a step
 found = importlib.util.spec_from_file_location("spec", sys.argv[7])
 spec = importlib.util.module_from_spec(found)
 found.loader.exec_module(spec)
@@ -91,6 +117,8 @@ while not stop.item():
         optimizer.zero_grad()
         spec.loss(model(x), y).backward()
         optimizer.step()
+        if slow_s:
+            time.sleep(slow_s)
         steps += 1
         if steps % every == 0:
             held = time.monotonic()
@@ -135,7 +163,7 @@ def ddp(net: Network, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ranks = [subprocess.Popen([*net.exec(namespace), *env_prefix, sys.executable, str(script),
                                str(rank), str(args.workers), str(args.seconds),
                                str(args.ddp_eval_every), str(args.lr), str(args.batch_size),
-                               str(args.spec)],
+                               str(args.spec), str(args.slow)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank, namespace in enumerate(net.workers)]
     try:
@@ -154,9 +182,9 @@ def ddp(net: Network, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) -> dict[str, Any]:
     name, _, every = method.partition(":")
-    local_steps = int(every or 1)
     options = (["--strategy", "sync"] if name == "sync"
-               else ["--strategy", "average", "--average-every", every, *AVERAGES[name]])
+               else [*(o.format(fragments=args.fragments) for o in AVERAGES[name]),
+                     "--average-every", every])
     metrics = tmp / f"{method.replace(':', '-')}.jsonl"
     endpoint = f"tcp://{COORDINATOR_ADDRESS}:{PORT}"
     command = [sys.executable, "-m", "tensorbus"]
@@ -171,7 +199,8 @@ def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) ->
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers = [subprocess.Popen([*net.exec(namespace), *command, "worker", str(args.spec), "--connect",
                                  endpoint, "--rank", str(rank), "--threads", "1",
-                                 "--no-shared-memory"],
+                                 "--no-shared-memory",
+                                 *([f"--fault=slow:{args.slow:g}"] if rank == 1 and args.slow else [])],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for rank, namespace in enumerate(net.workers)]
     try:
@@ -194,7 +223,8 @@ def tensorbus(net: Network, args: argparse.Namespace, tmp: Path, method: str) ->
     summary = json.loads(out)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     points = [(r["train_s"], r[args.metric]) for r in records if r["event"] == "eval"]
-    steps = summary["steps"] * local_steps
+    # Local steps a worker: the samples trained on, over the batch and the workers.
+    steps = round(summary["samples"] / (args.batch_size * args.workers))
     return {"points": points, "steps": steps, "final": summary.get(args.metric),
             "bytes": [(b - a) / steps for a, b in zip(before, after, strict=True)]}
 
@@ -231,6 +261,14 @@ def _method(text: str) -> str:
                                      f"{', '.join(AVERAGES)} with :H")
 
 
+def _check_fragments(methods: Sequence[str], fragments: int) -> None:
+    """A streaming method's H must be a multiple of --fragments: said before any run."""
+    for method in methods:
+        name, _, every = method.partition(":")
+        if name.startswith("streaming") and int(every) % fragments:
+            sys.exit(f"slow_links: {method}: H must be a multiple of --fragments ({fragments})")
+
+
 def _has_optimizer(spec: Path) -> bool:
     """Whether the SPEC defines optimizer() (then --lr is refused: its own lr wins)."""
     found = importlib.util.spec_from_file_location("slow_links_spec", spec)
@@ -262,9 +300,14 @@ def main(argv: Sequence[str], meta: Meta) -> None:
     parser.add_argument("--lr", type=float, default=0.1, help="where the SPEC has no optimizer()")
     parser.add_argument("--ddp-eval-every", type=int, default=20, help="steps")
     parser.add_argument("--methods", nargs="+", type=_method, default=list(METHODS),
-                        help="ddp, sync, average:H, average-int4:H")
+                        help=f"ddp, sync, or {', '.join(AVERAGES)} with :H")
+    parser.add_argument("--fragments", type=int, default=4,
+                        help="the streaming methods' P: one fragment every H/P local steps")
+    parser.add_argument("--slow", type=float, default=0.0,
+                        help="milliseconds worker 1 sleeps a step (a straggler; 0: none)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    _check_fragments(args.methods, args.fragments)
     args.spec_has_optimizer = _has_optimizer(args.spec)  # (then --lr is refused: its lr wins)
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -297,7 +340,13 @@ def _write(args: argparse.Namespace, results: dict[str, dict[str, Any]], meta: M
              f"{args.lr:g}); {args.seconds:g} s of training each; target: {args.metric} "
              f"{reached} {args.target:g}. average:H takes H local steps a round; diloco:H "
              "adds DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9); -int4 pushes each "
-             "worker's change as 4-bit integers, and versions come back in float32.", "",
+             "worker's change as 4-bit integers, and versions come back in float32; "
+             f"streaming:H averages one of {args.fragments} fragments every "
+             f"H/{args.fragments} local steps, computing on while it travels; "
+             "async-average-int4:H applies each worker's change as it comes, and "
+             "async-dn-int4:H adds delayed Nesterov (lr 0.7, momentum 0.9) and dynamic "
+             "local steps."
+             + (f" Worker 1 sleeps {args.slow:g} ms a step." if args.slow else ""), "",
              f"| method | steps a worker | time to target, s | ÷ DDP's | final {args.metric} | "
              "bytes a worker a step | DDP's ÷ this |", "|---|---:|---:|---:|---:|---:|---:|"]
     for method, run in results.items():
@@ -310,6 +359,8 @@ def _write(args: argparse.Namespace, results: dict[str, dict[str, Any]], meta: M
         lines.append(f"| {method} | {run['steps']} | {time_cell} | {ratio} | {final} | "
                      f"{run['bytes_per_step'] / 1e3:.1f} kB | {fewer} |")
     stem = "slow_links" if spec == SPEC else f"slow_links-{spec.stem}"
+    if args.slow:
+        stem += f"-slow{args.slow:g}ms"
     args.out.mkdir(parents=True, exist_ok=True)
     write_markdown(args.out / f"{stem}.md", "\n".join(lines) + "\n", meta)
     write_json(args.out / f"{stem}.json", {"args": {k: str(v) for k, v in vars(args).items()},

@@ -39,6 +39,7 @@ from tensorbus.bus.errors import (
     ByteLengthError,
     DtypeError,
     FrameCountError,
+    LayoutError,
     MalformedHeaderError,
     MessageTooLargeError,
     ProtocolVersionError,
@@ -153,9 +154,12 @@ def decode(
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     layout: Layout | None = None,
     segments: SegmentCache | None = None,
+    fragments: Sequence[Layout] = (),
 ) -> Message:
     """Validate frames and build the message; raise a WireError subclass if anything is off.
-    Tensors by reference are read through `segments`; without one, they are refused."""
+    Tensors by reference are read through `segments`; without one, they are refused. Where
+    `layout` is given, a message that names a fragment of the model (its `fragment` field,
+    0 or more: streaming averaging) is checked against that one of `fragments` instead."""
     if not frames:
         raise MalformedHeaderError("no frames")
     header = _unpack_header(frames[0])
@@ -165,7 +169,7 @@ def decode(
     request = request if type(request) is int and 0 <= request <= _INT64_MAX else 0
     try:
         _check_header(header)
-        return _decode(header, frames, max_bytes, layout, segments)
+        return _decode(header, frames, max_bytes, layout, segments, fragments)
     except WireError as e:
         e.request = request  # so that the Reject reaches the request that waits for it
         raise
@@ -173,7 +177,7 @@ def decode(
 
 def _decode(
     header: dict[str, Any], frames: Sequence[Buffer], max_bytes: int, layout: Layout | None,
-    segments: SegmentCache | None,
+    segments: SegmentCache | None, fragments: Sequence[Layout],
 ) -> Message:
     kind = _kind(header)
     cls, own_fields = SCHEMA[kind]
@@ -183,6 +187,12 @@ def _decode(
         "version": _int(header, "v", minimum=0),
     }
     values = _fields(header["f"], own_fields)
+    part = values.get("fragment", -1)
+    if part != -1 and layout is not None:
+        if not 0 <= part < len(fragments):
+            raise LayoutError(f"fragment {part} of a model in {len(fragments)} fragments"
+                              if fragments else f"fragment {part} of a model not in fragments")
+        layout = fragments[part]
     specs = _tensor_specs(header["t"], cls.CARRIES_TENSORS, cls.MAX_TENSORS)
     carried = header.get("b", 0)
     if type(carried) is not int or not 0 <= carried <= len(specs) or (carried and not cls.CARRIES_STATE):

@@ -9,11 +9,16 @@ buckets laid end to end and cut into S nearly equal runs of elements. `Layout.sh
 which ranges of which buckets shard i owns (`Span`s) and the layout those ranges travel as,
 one bucket per span, whose digest names the model, i and S: a worker that connects to the
 wrong shard, or with another model, is refused at its join like any other layout mismatch.
+
+Streaming averaging (average with fragments) cuts the model into P fragments instead, at
+tensor boundaries (`Layout.fragments`), so that a fragment is whole tensors, which an
+optimizer can step on alone; each travels as a shard's range does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -187,11 +192,43 @@ class Layout:
             if lo < hi:
                 spans.append(Span(b, lo - start, hi - start))
             start += bucket.numel
+        return self._part(spans, f"shard_{index}_of_{count}")
+
+    def fragments(self, count: int) -> tuple[Shard, ...]:
+        """This layout cut into `count` fragments for streaming averaging: runs of whole
+        tensors, in layout order, each of about 1/count of the elements (each cut at the
+        tensor boundary nearest its share). A fragment's tensors of one bucket lie side by
+        side in it, so it is one span a bucket, and travels as one bucket a span."""
+        entries = self.entries
+        if not 1 <= count <= len(entries):
+            raise ValueError(f"{count} fragments for a model of {len(entries)} tensors: use "
+                             f"1 to {len(entries)}")
+        ends = [0]  # elements before entry i, laid end to end in layout order
+        for e in entries:
+            ends.append(ends[-1] + e.numel)
+        cuts = [0]  # the first entry of each fragment
+        for i in range(1, count):
+            # At least one tensor a fragment: after the last cut, and room for the rest.
+            choices = range(cuts[-1] + 1, len(entries) - (count - i) + 1)
+            cuts.append(min(choices, key=lambda j: (abs(ends[j] - i * ends[-1] / count), j)))
+        cuts.append(len(entries))
+        made = []
+        for index, (first, last) in enumerate(itertools.pairwise(cuts)):
+            spans = []
+            for b in range(len(self.buckets)):
+                mine = [e for e in entries[first:last] if e.bucket == b]
+                if mine:
+                    spans.append(Span(b, mine[0].offset, mine[-1].offset + mine[-1].numel))
+            made.append(self._part(spans, f"fragment_{index}_of_{count}"))
+        return tuple(made)
+
+    def _part(self, spans: Sequence[Span], name: str) -> Shard:
+        """The shard of these spans, traveling as one bucket a span, named by `name`."""
         entries, buckets = [], []
         for i, span in enumerate(spans):
             dtype = self.buckets[span.bucket].dtype
-            name = f"shard_{index}_of_{count}_of_{self.digest}_bucket_{span.bucket}_{span.start}"
-            entries.append(Entry(name, dtype, (span.numel,), i, 0, span.numel))
+            entries.append(Entry(f"{name}_of_{self.digest}_bucket_{span.bucket}_{span.start}",
+                                 dtype, (span.numel,), i, 0, span.numel))
             buckets.append(Bucket(dtype, span.numel))
         return Shard(Layout(tuple(entries), tuple(buckets)), tuple(spans))
 

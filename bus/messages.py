@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
     PEERS = 18  # stage worker <-> coordinator: where the stages beside it in its pipeline listen
     ACTIVATIONS = 19  # stage worker -> the next stage's: a micro-batch's outputs (and targets)
     ACTIVATION_GRADS = 20  # stage worker -> the previous stage's: the gradients of those outputs
+    FRAGMENT = 21  # coordinator -> workers: one fragment of `version`, the rest as version - 1
 
 
 class RejectCode(str, enum.Enum):
@@ -187,6 +188,11 @@ class Welcome(Message):
     # stage runs them in (nodes.pipeline_order.Schedule: "1f1b" or "gpipe").
     micro_batches: int = 1
     schedule: str = ""
+    # Streaming averaging: the model cut into this many fragments (bus.layout.Layout.fragments),
+    # one pushed every local_steps, and the share of its own weights a worker keeps when a
+    # fragment's average comes back; 0 fragments: whole pushes, each waited for.
+    fragments: int = 0
+    mix: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,6 +231,10 @@ class Push(Message):
     busy_s: float = 0.0
     span_s: float = 0.0
     held: int = 0
+    # Streaming averaging: the fragment of the model its tensors are (that fragment's layout,
+    # checked by the codec); -1: the whole model (or the whole shard).
+    fragment: int = -1
+    steps: int = 0  # local steps behind it (0: as many as the Welcome said)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +242,9 @@ class Ack(Message):
     KIND = Kind.ACK
     dropped: str = ""  # empty: taken; otherwise why the update was dropped
     held_s: float = 0.0  # how long the strategy held this answer back (ssp's bound, the gate)
+    # The local steps to take before the next push, where they are the worker's own
+    # (async-average's dynamic local steps); 0: as many as the Welcome said.
+    local_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +275,24 @@ class Changes(Message):
     CARRIES_STATE = True
     SPARSE = True
     base: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fragment(Message):
+    """The weights of `version` as one fragment of them (bus.layout.Layout.fragments): the
+    version streaming averaging made by averaging that fragment alone, whose other
+    fragments are those of version - 1 (a broadcast). Exact, as Changes are: written over
+    the weights of version - 1, they give those of `version`, bit for bit."""
+
+    KIND = Kind.FRAGMENT
+    CARRIES_TENSORS = True
+    CARRIES_STATE = True
+    fragment: int  # which one; its tensors are that fragment's layout
+
+    @property
+    def base(self) -> int:
+        """The version whose weights this one is written over."""
+        return self.version - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -412,7 +443,7 @@ SCHEMA: Final[dict[Kind, tuple[type[Message], dict[str, type]]]] = {
     cls.KIND: (cls, _field_types(cls))
     for cls in (Join, Welcome, Ready, Push, Ack, Pull, Weights, Heartbeat, Leave, Stop, Reject,
                 Collective, Result, Changes, Describe, Follow, Replica, Peers, Activations,
-                ActivationGrads)
+                ActivationGrads, Fragment)
 }
 # The most tensors a message of any kind may carry (the codec's bound on a header's arrays).
 MOST_TENSORS: Final = max(cls.MAX_TENSORS for cls, _ in SCHEMA.values())

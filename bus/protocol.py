@@ -19,7 +19,8 @@ from typing import Final
 # 12: a standby coordinator (Follow, Replica, the standby named in Welcome and Heartbeat, a
 # Stop that moves workers, the not_yet refusal); pipeline stages (Peers, Activations,
 # ActivationGrads; a Join's stage and inbox, a Welcome's micro-batches and schedule), a
-# push's peak memory and a stage's busy time
+# push's peak memory and a stage's busy time; streaming averaging (Fragment, a push's
+# fragment and local steps, the Welcome's fragments and mix, an Ack's local steps)
 PROTOCOL_VERSION: Final = 12
 
 

@@ -84,7 +84,7 @@ def welcome(join: Join, rank: int, *, strategy: Strategy, config: CoordinatorCon
         shared=(host_token.offer if host_token is not None and join.shared and HostToken.seen(join.shared)
                 else ""),
         seed=config.seed, clip_grad_norm=config.clip_grad_norm or 0.0,
-        precision=config.precision, standby=standby,
+        precision=config.precision, standby=standby, fragments=rhythm.fragments, mix=rhythm.mix,
         micro_batches=config.micro_batches if config.pipeline > 1 else 1,
         schedule=config.schedule if config.pipeline > 1 else "",
     )

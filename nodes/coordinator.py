@@ -136,6 +136,11 @@ log = logging.getLogger("tensorbus.coordinator")
 _STATES = {"waiting": "barrier"}
 
 
+def _part(fragment: int) -> str:
+    """How a refusal names what a push carries (bus.messages.Push.fragment)."""
+    return "the whole model" if fragment < 0 else f"fragment {fragment}"
+
+
 @dataclass(frozen=True)
 class Progress:
     version: int
@@ -216,6 +221,13 @@ class Coordinator:
         compression = Compression.parse(config.compress)
         compression.check(weights_pushed, strategy.name)
         self._wire_layout = compression.wire(self.flat.layout)
+        # Streaming averaging: the model's fragments, and the layouts their pushes travel as.
+        if strategy.rhythm.fragments and isinstance(model, ShardModel):
+            raise ValueError("streaming averaging (fragments) needs the whole model at one "
+                             "coordinator: drop the shards, or the fragments")
+        fragments = (self.flat.layout.fragments(strategy.rhythm.fragments)
+                     if strategy.rhythm.fragments else ())
+        self._fragment_layouts = tuple(compression.wire(f.layout) for f in fragments)
         if config.max_workers is not None and config.max_workers < strategy.workers:
             raise ValueError(f"max_workers ({config.max_workers}) is below the {strategy.workers} "
                              "workers the run starts with")
@@ -236,7 +248,7 @@ class Coordinator:
         # place after (nodes.master), unless versions come from elsewhere: then copies.
         self.master = Master(self.flat, stepped, sets, compression=compression,
                              weights_pushed=weights_pushed, alias=next_version is None,
-                             clip_grad_norm=config.clip_grad_norm)
+                             clip_grad_norm=config.clip_grad_norm, fragments=fragments)
         if pool is not None:  # every version is made in the given pool's sets, the first too
             self.flat.rebind(self.master.copy())
         correct_momentum(self.master.optimizer, strategy)
@@ -259,7 +271,7 @@ class Coordinator:
                                 workers=strategy.workers, metrics=self.metrics, server=server)
         self._rejections = Rejections(self.metrics, clock, workers=strategy.workers)
         self._parking = Parking(self._serving.reply, metrics=self.metrics, watch=self.watch, clock=clock,
-                                wait=strategy.rhythm.wait)
+                                wait=strategy.rhythm.wait, local_steps=strategy.local_steps)
         self._intake = Intake(stepper=self.stepper, strategy=strategy, length=self._length,
                               metrics=self.metrics, watch=self.watch, buffers=self._buffers,
                               rejections=self._rejections, clock=clock)
@@ -505,7 +517,8 @@ class Coordinator:
             try:
                 # Tensors by reference only from members (bus.shared: the trust it needs).
                 message = decode(frames, max_bytes=self._max_bytes, layout=self._wire_layout,
-                                 segments=self._serving.segments if member else None)
+                                 segments=self._serving.segments if member else None,
+                                 fragments=self._fragment_layouts)
             except WireError as e:
                 code, detail = e.code, str(e)[:1000]
                 if isinstance(e, SharedTensorError) and not member:
@@ -560,7 +573,15 @@ class Coordinator:
                 await self._parking.answer(peer, member, message.request, decisions, now, push=False,
                                           version=self.version)
                 await self._carry_out(decisions)
-            case Push(batches=batches):
+            case Push(batches=batches, fragment=fragment):
+                expected = self.strategy.rhythm.fragment(message.version)
+                if fragment != expected:
+                    # (Its tensors are that fragment's, as the codec checked: not the one
+                    # this run averages on that version, or a whole model where it streams.)
+                    await self._refuse(peer, message, RejectCode.LAYOUT, (
+                        f"a push of {_part(fragment)} on version {message.version}, where this "
+                        f"run's pushes on it carry {_part(expected)}"))
+                    return
                 # Fresher than its last beat (beats come every heartbeat_s): for the status.
                 member.phase = Phase.PUSHING.value
                 member.version = max(member.version, message.version)
@@ -669,7 +690,8 @@ class Coordinator:
             self._parking.park(member.rank, peer, message.request, now, push=True)
         elif dropped:
             await self._serving.reply(peer, Ack(request=message.request, version=self.version,
-                                                dropped=dropped))
+                                                dropped=dropped,
+                                                local_steps=self.strategy.local_steps(member.rank) or 0))
             self.watch.answered(member.rank)
         else:
             member.clock = max(member.clock, message.clock + 1)  # what it says, once taken
@@ -768,9 +790,9 @@ class Coordinator:
         self.metrics.max_staleness = max(self.metrics.max_staleness, staleness)
         loss = sum(h.loss for h in held) / len(held)
         samples = sum(h.samples for h in held)
-        for w in decision.workers:
+        for w, h in zip(decision.workers, held, strict=True):
             self.metrics.worker(w)["applied"] += 1
-            self._length.used(w, self.strategy.rhythm.local_steps)
+            self._length.used(w, h.steps)
         lr = stepped_lr(self.master.optimizer, self.strategy, self.lr)  # (this version's)
         self.metrics.step(self.version, loss, samples, decision.workers, staleness, lr=lr)
         if self._schedule is not None:  # (after the samples are counted: epochs are samples)

@@ -31,9 +31,10 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -169,6 +170,19 @@ class FlatModel:
     def _bind_grads(self) -> None:
         for param, view in zip(self._params, self._grad_views[self.current], strict=True):
             param.grad = view
+
+    @contextlib.contextmanager
+    def grads_of(self, indices: Sequence[int]) -> Iterator[None]:
+        """Within it, only the parameters at `indices` have a `.grad`: an optimizer steps
+        them alone (torch's skip a parameter without one, and leave its state as it was)."""
+        kept = set(indices)
+        for index, param in enumerate(self._params):
+            if index not in kept:
+                param.grad = None
+        try:
+            yield
+        finally:
+            self._bind_grads()
 
     def watch(self, ranges: Sequence[Sequence[Span]], on_ready: OnReady) -> None:
         """From now on, report (on the backward thread) each range of `ranges` whose

@@ -42,6 +42,7 @@ class Held:
     loss: float
     samples: int
     lrs: str = ""  # a script's learning rates (Push.lrs)
+    steps: int = 0  # the worker's local steps behind it (its data used)
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,11 @@ class Intake:
             match decision:
                 case Keep(worker=worker):
                     self.held[worker] = Held(message.tensors, message.loss, message.samples,
-                                             message.lrs)
+                                             message.lrs, self.steps(message))
                 case Drop(reason=reason):
                     self._metrics.dropped[reason.value] += 1
                     counts["dropped"] += 1
-                    self._length.used(rank, self._strategy.rhythm.local_steps)
+                    self._length.used(rank, self.steps(message))
                     dropped = reason.value
         if message.state and not dropped and not over():
             try:
@@ -125,7 +126,8 @@ class Intake:
         if self._length.past_its_epochs(rank, member.batches):
             return [Drop(rank, version, DropReason.PAST_EPOCHS)]
         self._not_finite[rank] = 0
-        decisions = self._strategy.handle(Arrived(rank, version, now))
+        speed = message.samples / message.compute_s if message.compute_s > 0 else 0.0
+        decisions = self._strategy.handle(Arrived(rank, version, now, speed))
         self._metrics.max_clock_gap = max(self._metrics.max_clock_gap, self._strategy.clock_gap())
         return decisions
 
@@ -138,11 +140,15 @@ class Intake:
         # (Only what lies in its segment: frames are ours already.)
         copied = tuple(t.clone() if isinstance(t, torch.Tensor) and segments.holds(t) else t
                        for t in held.tensors)
-        self.held[rank] = Held(copied, held.loss, held.samples, held.lrs)
+        self.held[rank] = Held(copied, held.loss, held.samples, held.lrs, held.steps)
         fold = self._stepper.fold
         if fold is not None and rank in fold.ranks:
             # What it folded from it, it folds again (a non-finite push after it) from the copy.
             fold.updates[fold.ranks.index(rank)] = copied
+
+    def steps(self, message: Push) -> int:
+        """The local steps behind a push: as it says, or as the rhythm says."""
+        return message.steps or self._strategy.rhythm.local_steps
 
     def diverged(self, members: Iterable[int], parked: Callable[[int], bool],
                  ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

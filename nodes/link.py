@@ -43,10 +43,11 @@ from tensorbus.bus.errors import (
     WireError,
     quote,
 )
-from tensorbus.bus.layout import Shard
+from tensorbus.bus.layout import Layout, Shard
 from tensorbus.bus.messages import (
     BUILD,
     Changes,
+    Fragment,
     Heartbeat,
     Join,
     Leave,
@@ -126,6 +127,7 @@ class Link:
         # A pipeline stage's worker names its stage and its inbox in its Join (set by
         # nodes.stage_worker before it joins); a worker of the whole model is stage 0 of 1.
         self.stage, self.stages, self.inbox = 0, 1, ""
+        self._fragment_layouts: tuple[Layout, ...] = ()  # what Fragment broadcasts must be
         self.liveness = Liveness(owner, self.peer, clock, loaded=lambda: self.versions.version)
         self.versions = VersionChain(self.layout, weights, owner, self.peer,
                                                 self.liveness, self, model_buffers)
@@ -253,6 +255,10 @@ class Link:
             if not isinstance(reply, Welcome):
                 raise RejectedError("unexpected", f"join answered by {reply.KIND.name}")
             self.versions.welcomed(reply)
+            # Streaming averaging: the fragments its broadcasts are of (as the codec checks).
+            self.versions.fragments = (self.layout.fragments(reply.fragments)
+                                       if reply.fragments else ())
+            self._fragment_layouts = tuple(f.layout for f in self.versions.fragments)
             self.joined = True
             self.liveness.welcomed(reply)
             # Past the coordinator's own liveness timeout, a missing answer means it is gone.
@@ -373,7 +379,8 @@ class Link:
         while True:
             frames = await self._client.recv_broadcast()
             try:
-                message = decode(frames, layout=self.layout, segments=self._segments)
+                message = decode(frames, layout=self.layout, segments=self._segments,
+                                 fragments=self._fragment_layouts)
             except WireError as e:
                 log.warning("worker %d: bad broadcast: %s", self._owner.rank, e)
                 continue
@@ -384,7 +391,7 @@ class Link:
                     versions.keep_newest(message, shared=self._segments is not None
                                          and self._segments.holds(first))
                     del first
-                case Changes():
+                case Changes() | Fragment():
                     versions.take_changes(message)
                 case Heartbeat() if message.version > versions.version:
                     versions.wake_waiter()  # maybe a missed broadcast: let the waiter look

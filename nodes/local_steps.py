@@ -115,11 +115,13 @@ class LocalSteps:
         model computed on, was written meanwhile (nothing was announced then)."""
         finished: set[int] = set()
         rewritten: list[int] = []
+        # None: the caller makes what is pushed itself (streaming averaging, nodes.streaming).
         outbox = self.outbox
-        assert outbox is not None
-        outbox.anchor()  # (pushed weights, quantized: the change is taken from here)
+        if outbox is not None:
+            outbox.anchor()  # (pushed weights, quantized: the change is taken from here)
 
         def finish(i: int) -> None:
+            assert outbox is not None  # (pushed gradients always go through it)
             if i not in finished:
                 finished.add(i)
                 if on_set is not None and SegmentCache.generation(on_set.first) != on_set.generation:
@@ -159,8 +161,8 @@ class LocalSteps:
             total_loss += figure
             samples += len(inputs)
         if self.optimizer is not None:
-            self._flat.stage(weights=True)
-            outbox.fill_weights()
+            if outbox is not None:
+                outbox.fill_weights()
         else:
             for i in range(self._shards):  # those backward did not report (no hook ran)
                 finish(i)

@@ -23,7 +23,7 @@ import torch
 
 from tensorbus.bus import quantize
 from tensorbus.bus.buffers import SendBuffers, Tracker, all_done
-from tensorbus.bus.layout import Compression, Layout
+from tensorbus.bus.layout import Compression, Layout, Shard
 from tensorbus.bus.pieces import Received, fold, sum_into, whole
 from tensorbus.bus.shared import SharedWeightPool
 from tensorbus.nodes import changes as changed
@@ -58,8 +58,17 @@ class Master:
 
     def __init__(self, flat: FlatModel, optimizer: torch.optim.Optimizer | None, pool: SendBuffers,
                  *, compression: Compression, weights_pushed: bool, alias: bool = True,
-                 clip_grad_norm: float | None = None) -> None:
+                 clip_grad_norm: float | None = None, fragments: tuple[Shard, ...] = ()) -> None:
+        """`fragments`: the model's, under streaming averaging (bus.layout.Layout.fragments),
+        where each version is made by averaging one of them, its pushes that fragment's."""
         self.flat = flat
+        self.fragments = fragments
+        # Each fragment's parameters, which its steps' optimizer steps alone (their own
+        # momentum): the layout's entries, in order, that lie in its spans.
+        self._fragment_params = [
+            [i for i, e in enumerate(flat.layout.entries)
+             if any(s.bucket == e.bucket and s.start <= e.offset < s.stop for s in f.spans)]
+            for f in fragments]
         # The averaged gradient's norm is bounded before each step (pushed gradients only).
         self.clip_grad_norm = None if weights_pushed else clip_grad_norm
         self.optimizer = optimizer
@@ -94,7 +103,15 @@ class Master:
             return False
         return lr is not None or (self.weights_pushed and self.optimizer is None
                                   and self.compression.topk is None
-                                  and self.compression.bits is None)
+                                  and self.compression.bits is None and not self.fragments)
+
+    def fragment(self, version: int) -> int | None:
+        """The fragment whose average alone made `version` (streaming averaging: pushes
+        computed on version v carry fragment v mod P, strategies.base.Rhythm.fragment), or
+        None: versions are made of whole pushes."""
+        if not self.fragments or version < 1:
+            return None
+        return (version - 1) % len(self.fragments)
 
     def step(self, updates: list[Update], scale: float, *, version: int,
              into: Buffers | None = None, folded: int = 0) -> None:
@@ -130,28 +147,45 @@ class Master:
                         fold(out, weights if folded == 0 else None,
                              [update[b] for update in updates[folded:]], alpha)
             return
-        self.mean(updates, scale)
+        fragment = self.fragment(version)
+        places = self._places(fragment)
+        self.mean(updates, scale, places)
         if self.clip_grad_norm is not None:  # on the average, as DDP users clip after it
             self.flat.clip_grads(self.clip_grad_norm)
         with torch.no_grad():
-            for b, mean in enumerate(self.flat.grads):
+            for mean, weights in places:
                 if self.weights_pushed:
                     if self.optimizer is None:
-                        self.flat.weights[b].copy_(mean)
+                        weights.copy_(mean)
                     else:
-                        mean.sub_(self.flat.weights[b]).neg_()
+                        mean.sub_(weights).neg_()
         if self.optimizer is not None:
-            self.optimizer.step()
+            if fragment is None:
+                self.optimizer.step()
+            else:  # (its parameters alone: the others' momentum stays as it was)
+                with self.flat.grads_of(self._fragment_params[fragment]):
+                    self.optimizer.step()
 
-    def mean(self, updates: list[Update], scale: float) -> None:
+    def _places(self, fragment: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Where an update's tensors go, in order (each, or each pair for top-k and
+        quantized ones): (gradient, weights) of each bucket, or of each span of `fragment`."""
+        grads, weights = self.flat.grads, self.flat.weights
+        if fragment is None:
+            return list(zip(grads, weights, strict=True))
+        return [(grads[s.bucket][s.start:s.stop], weights[s.bucket][s.start:s.stop])
+                for s in self.fragments[fragment].spans]
+
+    def mean(self, updates: list[Update], scale: float,
+             places: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """The mean of the updates (in the given order), times `scale`, into the gradient
-        buffers. Top-k updates are added into zeros at their indices; quantized weights
-        (changes from the master, bus.quantize) are taken from the master."""
+        buffers (or the gradients of `places`: see _places). Top-k updates are added into
+        zeros at their indices; quantized weights (changes from the master, bus.quantize)
+        are taken from the master."""
         bits = self.compression.bits
         with torch.no_grad():
-            for b, mean in enumerate(self.flat.grads):
+            for b, (mean, weights) in enumerate(places or self._places(None)):
                 if bits is not None:
-                    mean.copy_(self.flat.weights[b])
+                    mean.copy_(weights)
                     for update in updates:
                         quantize.dequantize_add(mean, whole(update[2 * b]),
                                                 whole(update[2 * b + 1]), bits,

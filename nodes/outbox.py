@@ -84,14 +84,8 @@ class Outbox:
         return tuple(tensors)
 
     def _quantized_part(self, shard: Shard, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Per span of the shard: its values and its scales (bus.quantize.sizes)."""
         assert self._bits is not None
-        tensors: list[torch.Tensor] = []
-        for span in shard.spans:
-            values, scales = quantize.sizes(span.numel, self._bits)
-            tensors += [torch.zeros(values, dtype=quantize.VALUE_DTYPE[self._bits], device=device),
-                        torch.zeros(scales, dtype=torch.float32, device=device)]
-        return tuple(tensors)
+        return quantized_part(shard, self._bits, device)
 
     def anchor(self) -> None:
         """Before local steps whose weights are pushed quantized: the weights they start
@@ -103,29 +97,24 @@ class Outbox:
                 kept.copy_(weights)
 
     def fill_weights(self) -> None:
-        """After local steps whose weights are pushed quantized: each shard's change since
-        `anchor`, plus the residual, quantized into its parts; what the integers leave out
-        becomes the residual. A change that is not finite is sent as it is (its scales are
-        not finite: the coordinator drops it) and leaves the residual as it was."""
+        """After local steps whose weights are pushed: on a GPU, the weights copied to
+        their host mirror, which the parts are views of; quantized, each shard's change
+        since `anchor`, plus the residual, quantized into its parts, and what the integers
+        leave out becomes the residual. A change that is not finite is sent as it is (its
+        scales are not finite: the coordinator drops it) and leaves the residual as it was."""
         bits = self._bits
         if bits is None:
+            self._flat.stage(weights=True)
             return
         weights = self._flat.weights
         with torch.no_grad():
             for index, shard in enumerate(self._shards):
                 made, part = self._quantized[index], self.parts[0][index]
                 for n, s in enumerate(shard.spans):
-                    change = (self._anchor[s.bucket][s.start:s.stop].float()
-                              - weights[s.bucket][s.start:s.stop].float())
-                    residual = self._residual[s.bucket][s.start:s.stop]
-                    finite = bool(torch.isfinite(change).all())
-                    if finite:
-                        change.add_(residual)
-                    values, scales = made[2 * n], made[2 * n + 1]
-                    quantize.quantize(change, bits, values, scales)
-                    if finite:
-                        residual.copy_(change)
-                        quantize.dequantize_add(residual, values, scales, bits, alpha=-1.0)
+                    quantize_change(self._anchor[s.bucket][s.start:s.stop],
+                                    weights[s.bucket][s.start:s.stop],
+                                    self._residual[s.bucket][s.start:s.stop],
+                                    made[2 * n], made[2 * n + 1], bits)
                 if part is not made:
                     for host, device in zip(part, made, strict=True):
                         host.copy_(device)
@@ -166,6 +155,33 @@ class Outbox:
                     wire.copy_(grads[s.bucket][s.start:s.stop])
         else:
             self._flat.stage(weights=False, spans=spans)
+
+
+def quantized_part(shard: Shard, bits: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What a shard's (or a fragment's) quantized change travels as: per span, its values
+    and its scales (bus.quantize.sizes)."""
+    tensors: list[torch.Tensor] = []
+    for span in shard.spans:
+        values, scales = quantize.sizes(span.numel, bits)
+        tensors += [torch.zeros(values, dtype=quantize.VALUE_DTYPE[bits], device=device),
+                    torch.zeros(scales, dtype=torch.float32, device=device)]
+    return tuple(tensors)
+
+
+def quantize_change(start: torch.Tensor, end: torch.Tensor, residual: torch.Tensor,
+                    values: torch.Tensor, scales: torch.Tensor, bits: int) -> None:
+    """(start - end) + residual, quantized into `values` and `scales` (bus.quantize); what
+    the integers leave out becomes the residual (error feedback). A change that is not
+    finite is sent as it is (its scales are not finite: the coordinator drops it) and
+    leaves the residual as it was."""
+    change = start.float() - end.float()
+    finite = bool(torch.isfinite(change).all())
+    if finite:
+        change.add_(residual)
+    quantize.quantize(change, bits, values, scales)
+    if finite:
+        residual.copy_(change)
+        quantize.dequantize_add(residual, values, scales, bits, alpha=-1.0)
 
 
 class ReusingAllocator:

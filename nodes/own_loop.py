@@ -55,7 +55,7 @@ from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.deadline import within
 from tensorbus.bus.errors import HandshakeError, PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Compression
-from tensorbus.bus.messages import Ack, Describe, Ready, Reject, Welcome
+from tensorbus.bus.messages import Ack, Describe, Ready, Reject, RejectCode, Welcome
 from tensorbus.bus.protocol import BUILD
 from tensorbus.bus.security import ClientKeys, load_client_keys
 from tensorbus.bus.transport import (
@@ -207,6 +207,10 @@ class _ScriptWorker(Worker):
         self.weights_pushed = False
 
     async def _train(self, welcome: Welcome) -> None:
+        if welcome.fragments:
+            raise RejectedError(RejectCode.UNEXPECTED.value, (
+                "the coordinator streams its averages in fragments (--fragments), which a "
+                "script's own loop does not: start it without --fragments"))
         self.weights_pushed = PushKind(welcome.push) is PushKind.WEIGHTS
         if self.weights_pushed:
             self._local_steps.optimizer = self._optimizer  # the script steps it (average)
@@ -253,7 +257,6 @@ class _ScriptWorker(Worker):
         # (Where the coordinator steps: with the script's rates, its scheduler's.)
         self.lrs = json.dumps([float(group["lr"]) for group in self._optimizer.param_groups])
         if self.weights_pushed:
-            self.flat.stage(weights=True)
             outbox.fill_weights()
         else:
             self.flat.gather_grads()

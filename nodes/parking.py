@@ -31,10 +31,13 @@ class Parked:
 
 class Parking:
     def __init__(self, reply: Reply, *, metrics: Metrics, watch: Watch, clock: Clock,
-                 wait: Wait) -> None:
-        """`wait`: what the strategy's workers wait for once a push is answered."""
+                 wait: Wait, local_steps: Callable[[int], int | None] = lambda _: None) -> None:
+        """`wait`: what the strategy's workers wait for once a push is answered;
+        `local_steps`: the strategy's word on a worker's next local steps, said in the
+        answer to its push (Strategy.local_steps)."""
         self._reply = reply
         self._wait = wait
+        self._local_steps = local_steps
         self._metrics = metrics
         self._watch = watch
         self._clock = clock
@@ -47,7 +50,8 @@ class Parking:
         if Hold(member.rank) in decisions:
             self.park(member.rank, peer, request, now, push=push)
             return
-        await self._reply(peer, Ack(request=request, version=version))
+        await self._reply(peer, Ack(request=request, version=version,
+                                    local_steps=(self._local_steps(member.rank) or 0) if push else 0))
         if push:
             self._watch.answered(member.rank)
             # What it does now, for the status (beats may come only every few steps):
@@ -83,8 +87,10 @@ class Parking:
             if parked.push:
                 self._metrics.worker(rank)["held_s"] += held_s
                 self._watch.answered(rank, held_since=self._clock.wall() - held_s)
+            steps = (self._local_steps(rank) or 0) if parked.push else 0
             answer: Message = (replace(stop, request=parked.request) if stop is not None
-                               else Ack(request=parked.request, version=version, held_s=held_s))
+                               else Ack(request=parked.request, version=version, held_s=held_s,
+                                        local_steps=steps))
             await self._reply(parked.peer, answer)
 
     async def removed(self, rank: int, why: str) -> None:

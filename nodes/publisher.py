@@ -2,8 +2,9 @@
 a worker that pulls or joins.
 
 - Each new version is broadcast: what changed since the last one published, where that is
-  little (top-k updates: `bus.messages.Changes`), or else the master weights themselves
-  (nodes.master's snapshot, no copy), with the model's buffers behind them.
+  little (top-k updates: `bus.messages.Changes`; streaming averaging's one fragment:
+  `bus.messages.Fragment`), or else the master weights themselves (nodes.master's
+  snapshot, no copy), with the model's buffers behind them.
 - One broadcast is on its way out at a time. A version made while the last broadcast is
   still being sent waits (`_later`) and goes once it is out, if no newer one came
   meanwhile: a worker loads the newest weights, never a queue of old ones, and under async
@@ -26,7 +27,7 @@ import torch
 from tensorbus.bus.buffers import Tracker
 from tensorbus.bus.clock import Clock
 from tensorbus.bus.codec import encode
-from tensorbus.bus.messages import Changes, Message, Weights, Welcome
+from tensorbus.bus.messages import Changes, Fragment, Message, Weights, Welcome
 from tensorbus.bus.shared import HostToken, SharedWeightPool
 from tensorbus.bus.transport import TOPIC_SHARED, TOPIC_WEIGHTS, ServerTransport
 from tensorbus.nodes.master import AllDone, Master, tracked
@@ -98,6 +99,14 @@ class Publisher:
                                        state=self._buffers())
             self._master.advance_snapshot(changes, version, self._shared_pool)
             self._broadcast = await server.publish(encode(message))
+            return
+        fragment = self._master.fragment(version)
+        if fragment is not None:
+            # Streaming averaging: only this fragment changed; its bytes go, to every worker.
+            snapshot = self._master.take_snapshot(version)
+            part = Fragment(version=version, fragment=fragment, state=self._buffers(),
+                            tensors=self._master.fragments[fragment].take(snapshot.buffers))
+            self._broadcast = await tracked(snapshot, server.publish(encode(part)))
             return
         snapshot = self._master.take_snapshot(version)
         weights = Weights(version=snapshot.version, tensors=snapshot.buffers, state=self._buffers())

@@ -119,6 +119,10 @@ class Relay:
                     f"({coordinator.strategy.name}) pushes "
                     f"{coordinator.strategy.rhythm.push.value}: give the relay sync under a "
                     "sync, ssp or async root, average under an average root"))
+            if welcome.fragments:
+                raise RejectedError(RejectCode.UNEXPECTED.value, (
+                    "the root streams its averages in fragments (--fragments), and a relay "
+                    "pushes the whole model: start the root without --fragments"))
             size = coordinator.config.max_workers or coordinator.strategy.workers
             coordinator.place(first_rank=self.rank * size, world_size=welcome.world_size * size,
                               batch_size=welcome.batch_size)

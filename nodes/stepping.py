@@ -28,6 +28,7 @@ from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.fold import Fold, next_to_fold, step_alpha
 from tensorbus.nodes.master import Master
 from tensorbus.nodes.optimizers import OptimizerFactory, make_optimizer
+from tensorbus.nodes.outer import DelayedNesterov
 from tensorbus.strategies.base import PushKind, Strategy
 
 log = logging.getLogger("tensorbus.coordinator")
@@ -40,13 +41,15 @@ def master_optimizer(
     lr: float,
 ) -> torch.optim.Optimizer | None:
     """What steps the master weights: the SPEC's optimizer (or SGD at `lr`) over pushed
-    gradients; over pushed weights the strategy's outer optimizer, or None (a plain
-    average: workers own their optimizers)."""
+    gradients; over pushed weights the strategy's outer optimizer (SGD, or delayed
+    Nesterov: nodes.outer), or None (a plain average: workers own their optimizers)."""
     if strategy.rhythm.push is not PushKind.WEIGHTS:
         return make_optimizer(factory or (lambda ps: torch.optim.SGD(ps, lr=lr)), params)
     outer = strategy.outer
     if outer is None:
         return None
+    if outer.every > 1:
+        return DelayedNesterov(params, lr=outer.lr, momentum=outer.momentum, every=outer.every)
     return torch.optim.SGD(params, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
 
 

@@ -77,6 +77,7 @@ class _Step:
     computed_on: list[int]  # each shard's version it computes on
     ready: list[asyncio.Future[None]]  # each shard's part made ready to send
     clock: int  # what its push counts
+    steps: int  # the local steps it computes
     began: float  # wall clock
     started: float  # monotonic
 
@@ -108,6 +109,9 @@ class TrainingLoop:
         self._in_place = in_place
         self._clock = clock
         self._sent: list[list[Tracker | None]] = [[] for _ in parts]  # each set's last sends
+        # Local steps a compute: the Welcome's, or what the answer to the last push said
+        # (async-average's dynamic local steps).
+        self._local_steps = terms.local_steps
         # Where time goes between computes, reported with the next push (telemetry).
         self._comm_s = self._wait_s = 0.0
 
@@ -181,15 +185,16 @@ class TrainingLoop:
         loop = asyncio.get_running_loop()
         ready = [loop.create_future() for _ in links]
         clock = worker.clock  # what this push counts (the clock moves on once it is sent)
-        if delay := worker.config.faults.delay(terms.local_steps):
+        steps = self._local_steps
+        if delay := worker.config.faults.delay(steps):
             # A straggler on purpose (nodes.faults): on the weights it holds now, and on
             # the coordinator's set where it computes in place.
             await asyncio.sleep(delay)
         compute, ended = in_thread(loop, self._thread, functools.partial(
-            self._compute, latest, terms.local_steps, current,
+            self._compute, latest, steps, current,
             functools.partial(announce, loop, ready) if terms.early else None,
             functools.partial(loop.call_soon_threadsafe, self._in_place.forget_loaded)))
-        return _Step(compute, ended, computed_on, ready, clock, began, started)
+        return _Step(compute, ended, computed_on, ready, clock, steps, began, started)
 
     def _push(self, step: _Step, current: int) -> asyncio.Future[Answers]:
         """Each shard's part of gradient set `current`, pushed once ready, all at once."""
@@ -224,6 +229,9 @@ class TrainingLoop:
         answered = self._clock.monotonic()
         self._sent[current] = [tracker for _, tracker in answers]
         acks = [ack for ack, _ in answers]
+        told = [a.local_steps for a in acks if isinstance(a, Ack) and a.local_steps > 0]
+        if told:
+            self._local_steps = told[0]
         # Held back by the strategy (ssp's bound) for as long as the longest-holding shard.
         # (Pushes that left during backward overlapped it: only what is left counts.)
         held_s = min(max(max(a.held_s, 0.0) if isinstance(a, Ack) else 0.0 for a in acks),
@@ -255,6 +263,7 @@ class TrainingLoop:
                     compute_s=self._clock.monotonic() - step.started, comm_s=comm_s,
                     wait_s=wait_s, batches=self._data.length,
                     overflows=scale.skipped if scale is not None else 0, lrs=self._worker.lrs,
+                    steps=step.steps,
                     state=link.model_buffers.copy() if link.model_buffers is not None else (),
                     peak_bytes=peak_bytes(), busy_s=self._steps.busy_s,
                     span_s=self._steps.span_s, held=self._steps.held)

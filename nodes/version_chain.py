@@ -3,8 +3,9 @@
 A `VersionChain` is one part of a `Link` (nodes.link). It owns the version of the link's
 range of the model (its `Shard`: the whole model when there is one coordinator), the newest
 whole weights received and not loaded yet, and the unbroken chain of Changes
-(nodes.changes) after them; the worker loads both, in order, between computes (`latest`,
-then `load` off the loop and `forget_loaded` on it, or `load_latest`).
+(nodes.changes) after them, or of Fragments (streaming averaging: one fragment of the
+model a version); the worker loads both, in order, between computes (`latest`, then `load`
+off the loop and `forget_loaded` on it, or `load_latest`).
 
 Changes that do not follow on from the newest version kept (one was missed: a subscriber
 that connected late, or a full queue) are kept aside, and the whole version is pulled
@@ -25,8 +26,8 @@ from typing import Protocol
 import torch
 
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
-from tensorbus.bus.layout import Layout
-from tensorbus.bus.messages import Changes, Message, Pull, Weights, Welcome
+from tensorbus.bus.layout import Layout, Shard
+from tensorbus.bus.messages import Changes, Fragment, Message, Pull, Weights, Welcome
 from tensorbus.bus.shared import SegmentCache
 from tensorbus.nodes import changes as changed
 from tensorbus.nodes.flat import HostStaging
@@ -42,7 +43,7 @@ class PendingVersion:
     """A version newer than the one loaded: whole weights (or none), then Changes on top."""
 
     weights: Weights | Welcome | None
-    changes: tuple[Changes, ...]
+    changes: tuple[Changes | Fragment, ...]
 
     @property
     def version(self) -> int:
@@ -84,8 +85,11 @@ class VersionChain:
         self.version = 0  # the version of this shard's weights in the model now
         self._whole: Weights | None = None  # newest whole weights received, not yet loaded
         self._whole_shared = False  # they came by reference: loaded by load_shared only
-        self._changes: list[Changes] = []  # each on top of the last, the first on _whole
-        self._aside: dict[int, Changes] = {}  # base -> Changes that do not follow on (yet)
+        self._changes: list[Changes | Fragment] = []  # each on top of the last, the first on _whole
+        self._aside: dict[int, Changes | Fragment] = {}  # base -> those that do not follow on (yet)
+        # Streaming averaging: the model's fragments, which Fragment broadcasts are written
+        # into (set from each Welcome).
+        self.fragments: tuple[Shard, ...] = ()
         self._missed = asyncio.Event()  # set: a version was missed; pull the whole one
         self._arrived = asyncio.Event()  # set: something newer came, or the run stopped
         self.by_reference = 0  # versions loaded from the coordinator's shared memory
@@ -111,7 +115,12 @@ class VersionChain:
             if weights.weights is not None:
                 self.load(weights.weights)
             for change in weights.changes:
-                changed.apply(self._weights, change.tensors)
+                if isinstance(change, Fragment):
+                    spans = self.fragments[change.fragment].take(self._weights)
+                    with torch.no_grad():
+                        self._staging.load(spans, change.tensors)
+                else:
+                    changed.apply(self._weights, change.tensors)
                 self._load_buffers(change)
                 self.version = change.version
             return
@@ -296,12 +305,14 @@ class VersionChain:
             self._follow_on()
             self._arrived.set()
 
-    def take_changes(self, change: Changes) -> None:
-        """Chain Changes on if they follow on from the newest version; else keep them
-        aside and have the whole version pulled (unless they are old)."""
+    def take_changes(self, change: Changes | Fragment) -> None:
+        """Chain Changes (or a Fragment) on if they follow on from the newest version;
+        else keep them aside and have the whole version pulled (unless they are old)."""
         if change.version <= self.newest():
             return
-        wrong = changed.out_of_range(self.layout, change.tensors)
+        wrong = (changed.out_of_range(self.layout, change.tensors) if isinstance(change, Changes)
+                 else None if change.fragment < len(self.fragments)
+                 else f"fragment {change.fragment} of {len(self.fragments)}")
         if wrong is not None:
             log.warning("worker %d: the %s broadcast changes out of range (%s); ignored",
                         self._owner.rank, self.peer, wrong)

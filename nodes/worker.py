@@ -6,7 +6,8 @@ model, whichever way the run ends. Its parts, one job each:
 - nodes.worker_session: joining, and joining again after losing the coordinator or being
   removed by it.
 - nodes.training: the rhythm the strategy asks for, handed over in the Welcome (push and
-  wait, or pipelined), with no branch on the strategy's name.
+  wait, or pipelined), with no branch on the strategy's name; nodes.streaming, the rhythm
+  of streaming averaging (one fragment of the model on the wire while computing on).
 - nodes.local_steps: the steps themselves (forward, loss, backward, fp16's loss scale, a
   local optimizer where the worker pushes weights), on the compute thread (nodes.compute),
   so that heartbeats go on while it runs.
@@ -45,6 +46,7 @@ from tensorbus.nodes.compute import FINISHING_SAY_S, ComputeThread, ScriptEnded
 from tensorbus.nodes.config import WorkerConfig
 from tensorbus.nodes.epochs import Data, DataError, RankData, seed_generators
 from tensorbus.nodes.flat import FlatModel
+from tensorbus.nodes.fragments import Fragments
 from tensorbus.nodes.in_place import COPY_AFTER_REDO, InPlace
 from tensorbus.nodes.link import Link, RunFailedError
 from tensorbus.nodes.liveness import Stopped
@@ -52,6 +54,7 @@ from tensorbus.nodes.local_steps import ComputeError, LocalSteps, Loss
 from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.nodes.push_memory import PushMemory
 from tensorbus.nodes.schedules import SchedulerFactory
+from tensorbus.nodes.streaming import StreamingLoop
 from tensorbus.nodes.training import Terms, TrainingLoop
 from tensorbus.nodes.version_chain import PendingVersion
 from tensorbus.nodes.worker_session import WorkerSessions
@@ -278,6 +281,17 @@ class Worker:
     async def _loop(self, welcome: Welcome, compression: Compression, weights_pushed: bool,
                     refer: Callable[[torch.Tensor], Ref | None] | None) -> None:
         """The session's training loop, in the rhythm its Welcome asks for."""
+        if Wait(welcome.wait) is Wait.OVERLAPPED:  # streaming averaging: its own pushes
+            if len(self.links) > 1:
+                raise ComputeError(f"worker {self.rank}: streaming averaging (--fragments) "
+                                   "needs one coordinator, not shards")
+            fragments = Fragments(self.flat, self.links[0].versions.fragments,
+                                  bits=compression.bits, mix=welcome.mix)
+            self._local_steps.outbox = None
+            await StreamingLoop(self, local_steps=welcome.local_steps, fragments=fragments,
+                                thread=self._compute_thread, steps=self._local_steps,
+                                data=self._data, clock=self._clock).run()
+            return
         # Async holds nobody back: the next gradient is computed, into the other set of
         # buffers, while this one is on the wire (its answers are taken meanwhile).
         pipelined = Wait(welcome.wait) is Wait.NOTHING and not weights_pushed

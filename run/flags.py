@@ -392,12 +392,29 @@ def _training(p: argparse.ArgumentParser, *, workers_from_env: bool = False) -> 
                         "scale each gradient by 1/WORKERS, for the momentum stale updates "
                         "add (default on)")
     s.add_argument("--average-every", type=int, metavar="H",
-                   help="average: local steps between averages (default 8)")
+                   help="average, async-average: local steps between averages (default 8)")
     s.add_argument("--outer-lr", type=float,
-                   help="average: SGD on the averaged change with this lr (DiLoCo)")
-    s.add_argument("--outer-momentum", type=float, help="average: its momentum")
+                   help="average: SGD on the averaged change with this lr (DiLoCo); "
+                        "async-average: on each change, at 1/N")
+    s.add_argument("--outer-momentum", type=float,
+                   help="average: its momentum; async-average: delayed Nesterov momentum, "
+                        "taken every N changes on their sum")
     s.add_argument("--nesterov", action="store_true", default=None,
                    help="average: Nesterov momentum for the outer SGD")
+    s.add_argument("--momentum-every", type=int, metavar="N",
+                   help="async-average with --outer-momentum: the N of delayed Nesterov "
+                        "(default: --workers)")
+    s.add_argument("--dynamic-steps", action="store_true", default=None,
+                   help="async-average: scale each worker's H to its speed, H times its "
+                        "speed over the fastest worker's (dynamic local updates)")
+    s.add_argument("--fragments", type=int, metavar="P",
+                   help="average: stream the averages: cut the model into P fragments and "
+                        "push one every H/P local steps, computing on while it travels "
+                        "(Streaming DiLoCo); H must be a multiple of P")
+    s.add_argument("--fragment-mix", type=float, metavar="A",
+                   help="average with --fragments: when a fragment's average comes back, "
+                        "each worker keeps A of its own weights of it and takes 1-A of the "
+                        "average (default 0.5)")
 
 
 def _shards(args: argparse.Namespace) -> int:

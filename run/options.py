@@ -125,6 +125,10 @@ class RunOptions:
                              "of --shards holds a range of it: drop one of them")
         self._check_pipeline()
         strategy = make_strategy(self)  # one-line errors for its options now, not at start-up
+        if strategy.rhythm.fragments and (self.shards > 1 or self.colocate):
+            raise ValueError("--fragments streams the averages of the whole model through one "
+                             "coordinator, and --shards and --colocate split it among several: "
+                             "drop one of them")
         if self.colocate:
             self._check_colocate(strategy)
         if (self.clip_grad_norm is not None and (self.shards > 1 or self.colocate)

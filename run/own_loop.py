@@ -68,6 +68,9 @@ def check(options: RunOptions) -> None:
     if options.shards > 1 or options.colocate:
         raise ValueError("a script's own loop trains with one coordinator: drop --shards "
                          "and --colocate")
+    if "fragments" in options.strategy_options:
+        raise ValueError("--fragments: a script's own loop pushes the whole model at each "
+                         "average, not fragments while it computes on: drop it")
 
 
 async def first_description(server: ZmqServer, *, within_s: float) -> Describe:

@@ -31,6 +31,9 @@ class Wait(str, enum.Enum):
     NEWER = "newer"  # a version newer than the one it computed on (sync, average)
     ANSWERED = "answered"  # the version named in the answer: all updates taken before it (ssp)
     NOTHING = "nothing"  # goes on with the newest weights it has (async)
+    # Computes its next local steps at once, and waits for a version newer than the one it
+    # computed on only before its next push (streaming averaging)
+    OVERLAPPED = "overlapped"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,15 +43,28 @@ class Rhythm:
     push: PushKind
     local_steps: int = 1  # optimizer steps (or gradients) between pushes
     wait: Wait = Wait.NEWER
+    # Streaming averaging: each push is one of this many fragments of the model, in turn
+    # (0: the whole model); `mix` is the share of its own weights a worker keeps of a
+    # fragment when that fragment's average comes back.
+    fragments: int = 0
+    mix: float = 0.0
+
+    def fragment(self, version: int) -> int:
+        """The fragment pushes computed on `version` carry (-1: the whole model): one after
+        the other, so that each is averaged every `fragments` versions."""
+        return version % self.fragments if self.fragments else -1
 
 
 @dataclass(frozen=True, kw_only=True)
 class OuterOptimizer:
-    """SGD on the averaged change; lr 1 and no momentum is plain averaging."""
+    """SGD on the averaged change; lr 1 and no momentum is plain averaging. With `every` N
+    above 1, Nesterov momentum taken every N steps, on the sum of their changes (delayed
+    Nesterov: nodes.outer)."""
 
     lr: float
     momentum: float = 0.0
     nesterov: bool = False
+    every: int = 1
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -57,6 +73,10 @@ class OuterOptimizer:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.momentum}")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov needs outer_momentum above 0")
+        if self.every < 1:
+            raise ValueError(f"momentum_every must be at least 1, got {self.every}")
+        if self.every > 1 and not self.nesterov:
+            raise ValueError("momentum_every delays Nesterov momentum: it needs outer_momentum")
 
 
 class DropReason(str, enum.Enum):
@@ -97,6 +117,9 @@ class Arrived:
     worker: int
     version: int  # the version the update was computed on
     now: float
+    # Samples a second of computing behind it, as its worker measured them (0: not known):
+    # what dynamic local steps are scaled by (strategies.async_average).
+    speed: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -236,6 +259,12 @@ class Strategy(ABC):
     def holds_back(self, worker: int) -> bool:
         """Whether `worker`'s answer is being held back now (ssp's bound)."""
         return False
+
+    def local_steps(self, worker: int) -> int | None:
+        """The local steps `worker` is to take before its next push, said in the answer to
+        its push, where they are its own (async-average's dynamic local steps); None: the
+        rhythm's, for every worker."""
+        return None
 
     def quorum(self) -> int | None:
         """How many updates the next step averages, where that is known before they come

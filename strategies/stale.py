@@ -103,7 +103,7 @@ class StaleSync(Strategy):
                 staleness = self.version - version
                 scale = 1.0 / (1 + staleness) if self.staleness_lr else 1.0
                 if self.momentum_correction:
-                    scale /= self.workers
+                    scale *= self._share()
                 decisions: list[Decision] = [
                     Keep(worker, version), Apply(version, (worker,), scale), *self._release()
                 ]
@@ -118,6 +118,11 @@ class StaleSync(Strategy):
 
     def holds_back(self, worker: int) -> bool:
         return worker in self._held
+
+    def _share(self) -> float:
+        """What one update counts for under momentum correction: 1/W, so that W of them move
+        the weights as one average of W does."""
+        return 1.0 / self.workers
 
     def _too_far(self, worker: int) -> bool:
         if self.staleness is None:

@@ -84,3 +84,18 @@ def test_a_crashed_worker_is_removed_and_the_run_finishes(tmp_path: Path) -> Non
     assert summary["steps"] == 30
     assert [lost["rank"] for lost in summary["lost"]] == [2]
     assert summary["per_worker"]["2"]["pushes"] == 10
+
+
+def test_a_worker_killed_during_a_fragment_s_sync_leaves_the_others_training(tmp_path: Path) -> None:
+    """Streaming averaging, 2 local steps a fragment: worker 2 dies at its 6th local step,
+    computing while its second push (fragment 1, on version 1) is on its way; the others
+    average the next fragments without it, to the last version."""
+    summary, records = _local(tmp_path, "--strategy", "average", "--average-every", "4",
+                              "--fragments", "2", "--compress", "int4", "--steps", "20",
+                              "--batch-size", "16", "--fault=crash:2:5", workers=3, base_ms=10)
+    assert summary["steps"] == 20
+    assert [lost["rank"] for lost in summary["lost"]] == [2]
+    assert summary["per_worker"]["2"]["pushes"] == 2
+    assert all(summary["per_worker"][r]["applied"] == 20 for r in ("0", "1"))
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["workers"] for r in steps[-3:]] == [[0, 1]] * 3  # going on without it

@@ -8,7 +8,7 @@ repacked, so that each test names the one check that must fire.
 
 import math
 import struct
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 
 import msgpack
 import numpy as np
@@ -53,6 +53,7 @@ from tensorbus.bus.messages import (
     Collective,
     Describe,
     Follow,
+    Fragment,
     Heartbeat,
     Join,
     Kind,
@@ -160,13 +161,15 @@ SAMPLES = {
                           compress="bf16",
                           shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
                           seed=3, clip_grad_norm=0.5, precision="bf16-mixed", micro_batches=8,
-                          schedule="gpipe", standby="tcp://10.0.0.2:5555", tensors=WEIGHTS),
+                          schedule="gpipe", standby="tcp://10.0.0.2:5555", fragments=4, mix=0.25,
+                          tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
     Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14, overflows=2,
                     lrs="[0.1, 0.01]", peak_bytes=3 << 30, busy_s=0.015, span_s=0.025, held=3,
-                    tensors=WEIGHTS),
-    Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25),
+                    fragment=2, steps=5, tensors=WEIGHTS),
+    Kind.ACK: Ack(sender=COORDINATOR, request=13, version=8, dropped="stale", held_s=0.25,
+                  local_steps=6),
     Kind.PULL: Pull(sender=3, request=14, version=6),
     Kind.WEIGHTS: Weights(sender=COORDINATOR, request=14, version=8, generation=3, tensors=WEIGHTS),
     Kind.HEARTBEAT: Heartbeat(sender=3, request=15, version=8, phase="computing", clock=42,
@@ -201,6 +204,8 @@ SAMPLES = {
                                   tensors=(torch.randn(4, 3, 2), torch.arange(4))),
     Kind.ACTIVATION_GRADS: ActivationGrads(sender=1, request=24, version=5, stage=2, step=6,
                                            micro=3, loss=0.625, tensors=(torch.randn(4, 3, 2),)),
+    Kind.FRAGMENT: Fragment(sender=COORDINATOR, request=25, version=10, fragment=1,
+                            tensors=WEIGHTS),
 }
 
 
@@ -241,7 +246,7 @@ def test_header_is_the_documented_map():
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
               "comm_s": 0.003, "wait_s": 0.01, "batches": 14, "overflows": 2,
               "lrs": "[0.1, 0.01]", "peak_bytes": 3 << 30, "busy_s": 0.015, "span_s": 0.025,
-              "held": 3},
+              "held": 3, "fragment": 2, "steps": 5},
     }
     assert len(frames) == 3
 
@@ -848,6 +853,44 @@ def test_changes_that_do_not_fit_the_layout_are_refused(tensors, reason):
     assert info.value.reason == reason
 
 
+FRAGMENTS = (Layout.of([("a", torch.zeros(4))]), Layout.of([("b", torch.zeros(2)),
+                                                            ("n", torch.zeros(4, dtype=torch.int64))]))
+
+
+@pytest.mark.parametrize("cls", [Push, Fragment], ids=lambda c: c.__name__)
+def test_a_message_of_a_fragment_is_checked_against_that_fragment(cls):
+    """Streaming averaging: a push (or a broadcast) of fragment i has fragment i's layout."""
+    base = SAMPLES[cls.KIND]
+    tensors = (torch.ones(2), torch.arange(4))
+    message = decode(received(encode(replace(base, fragment=1, tensors=tensors))),
+                     layout=MODEL, fragments=FRAGMENTS)
+    assert message.fragment == 1
+    assert_same_tensors(message.tensors, tensors)
+    with pytest.raises(LayoutError) as info:  # fragment 0's layout is another
+        decode(received(encode(replace(base, fragment=0, tensors=tensors))), layout=MODEL,
+               fragments=FRAGMENTS)
+    assert info.value.reason == "2 buffers, the model has 1"
+
+
+@pytest.mark.parametrize(("fragment", "fragments", "reason"), [
+    (2, FRAGMENTS, "fragment 2 of a model in 2 fragments"),
+    (-2, FRAGMENTS, "fragment -2 of a model in 2 fragments"),
+    (0, (), "fragment 0 of a model not in fragments"),
+])
+def test_a_fragment_the_model_is_not_cut_into_is_refused(fragment, fragments, reason):
+    frames = received(encode(replace(SAMPLES[Kind.PUSH], fragment=fragment)))
+    with pytest.raises(LayoutError) as info:
+        decode(frames, layout=MODEL, fragments=fragments)
+    assert info.value.reason == reason
+    assert info.value.code is RejectCode.LAYOUT
+
+
+def test_a_whole_push_is_checked_against_the_model_where_it_is_cut():
+    tensors = (torch.ones(6), torch.arange(4))
+    push = decode(layout_push(*tensors), layout=MODEL, fragments=FRAGMENTS)
+    assert push.fragment == -1
+
+
 def test_kinds_without_tensors_pass_a_layout_check():
     assert decode(received(encode(SAMPLES[Kind.ACK])), layout=MODEL) == SAMPLES[Kind.ACK]
 
@@ -895,7 +938,7 @@ def test_tensor_kind_without_tensors_fails_the_layout_check(kind):
     cls = SCHEMA[kind][0]
     message = SAMPLES[kind]
     empty = cls(**{f.name: getattr(message, f.name) for f in fields(message)
-                   if f.name != "tensors"})
+                   if f.name not in ("tensors", "fragment")})
     with pytest.raises(LayoutError) as info:
         decode(received(encode(empty)), layout=MODEL)
     assert info.value.reason == "0 buffers, the model has 2"

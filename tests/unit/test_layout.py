@@ -190,3 +190,43 @@ def test_check_refuses_anything_else(specs, reason):
         LAYOUT.check(specs)
     assert info.value.reason == reason
     assert info.value.code is RejectCode.LAYOUT
+
+
+# Fragments (streaming averaging) ----------------------------------------------------------
+
+
+def sized(*numels: int, dtypes: tuple[torch.dtype, ...] = ()) -> Layout:
+    return Layout.of((f"t{i}", torch.zeros(n, dtype=dtypes[i] if dtypes else torch.float32))
+                     for i, n in enumerate(numels))
+
+
+def test_fragments_are_runs_of_whole_tensors_cut_nearest_each_share():
+    layout = sized(10, 10, 10, 10, 30, 30)  # 100 elements
+    cut = [[(s.bucket, s.start, s.stop) for s in f.spans] for f in layout.fragments(2)]
+    assert cut == [[(0, 0, 40)], [(0, 40, 100)]]  # 40 is nearer 50 than 70 is
+    cut = [[(s.start, s.stop) for s in f.spans] for f in layout.fragments(3)]
+    assert cut == [[(0, 30)], [(30, 70)], [(70, 100)]]
+    assert [f.spans for f in layout.fragments(1)] == [layout.shard(0, 1).spans]
+
+
+def test_every_fragment_has_a_tensor_however_large_one_is():
+    layout = sized(1000, 1, 1, 1)
+    assert [[(s.start, s.stop) for s in f.spans] for f in layout.fragments(4)] == [
+        [(0, 1000)], [(1000, 1001)], [(1001, 1002)], [(1002, 1003)]]
+
+
+def test_a_fragment_is_one_span_a_bucket_and_travels_as_one_bucket_a_span():
+    layout = sized(4, 2, 6, 3, dtypes=(torch.float32, torch.float64, torch.float32, torch.float64))
+    first, second = layout.fragments(2)
+    assert [(s.bucket, s.start, s.stop) for s in first.spans] == [(0, 0, 4), (1, 0, 2)]
+    assert [(s.bucket, s.start, s.stop) for s in second.spans] == [(0, 4, 10), (1, 2, 5)]
+    assert second.layout.buckets == (Bucket(torch.float32, 6), Bucket(torch.float64, 3))
+    assert first.layout.digest != second.layout.digest != layout.digest
+    flat = layout.allocate()
+    assert second.take(flat)[0].data_ptr() == flat[0][4:].data_ptr()  # views, no copy
+
+
+@pytest.mark.parametrize("count", [0, 5])
+def test_fragments_beyond_the_tensors_are_refused(count):
+    with pytest.raises(ValueError, match=rf"^{count} fragments for a model of 4 tensors: use 1 to 4$"):
+        sized(1, 2, 3, 4).fragments(count)

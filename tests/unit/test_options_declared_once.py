@@ -12,7 +12,7 @@ import pytest
 
 from tensorbus.bus.security import ServerKeys, make_keys
 from tensorbus.nodes.config import CoordinatorConfig
-from tensorbus.run import flags
+from tensorbus.run import flags, own_loop
 from tensorbus.run.options import NODE_SETTINGS, RunOptions, coordinator_config, same_named
 
 pytestmark = pytest.mark.timeout(30)
@@ -151,3 +151,20 @@ def test_a_pipeline_command_line_reaches_each_stage_s_config(tmp_path: Path) -> 
     assert (second.pipeline, second.stage, second.micro_batches, second.schedule) == (4, 1, 4, "gpipe")
     assert second.checkpoint_dir == tmp_path / "stage-1-of-4"
     assert (second.metrics, coordinator_config(options, bind=BIND).stage) == (None, 0)
+
+
+def test_streaming_options_reach_the_strategy_and_refuse_what_splits_the_model() -> None:
+    options = _options("--workers", "2", "--strategy", "average", "--average-every", "8",
+                       "--fragments", "4", "--fragment-mix", "0.25", "--compress", "int4")
+    assert options.strategy_options == {"average_every": 8, "fragments": 4, "fragment_mix": 0.25}
+    for split in (["--shards", "2"], ["--colocate"]):
+        with pytest.raises(ValueError, match="^--fragments streams the averages of the whole "
+                                             "model through one coordinator"):
+            _options("--workers", "2", "--strategy", "average", "--fragments", "2", *split)
+
+
+def test_a_script_s_own_loop_refuses_fragments() -> None:
+    options = RunOptions(workers=2, strategy="average", strategy_options={"fragments": 2})
+    with pytest.raises(ValueError, match="^--fragments: a script's own loop pushes the whole "
+                                         "model at each average"):
+        own_loop.check(options)

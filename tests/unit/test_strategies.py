@@ -621,6 +621,41 @@ def test_outer_optimizer_validates_on_its_own():
     assert OuterOptimizer(lr=1.0) == OuterOptimizer(lr=1.0, momentum=0.0, nesterov=False)
 
 
+def test_fragments_push_one_every_h_over_p_steps_in_turn_without_waiting():
+    avg = PeriodicAveraging(workers=2, average_every=12, fragments=3, fragment_mix=0.25)
+    assert avg.rhythm == Rhythm(push=PushKind.WEIGHTS, local_steps=4, wait=Wait.OVERLAPPED,
+                                fragments=3, mix=0.25)
+    assert [avg.rhythm.fragment(v) for v in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert PeriodicAveraging(workers=2, average_every=4, fragments=2).rhythm.mix == 0.5
+    assert PeriodicAveraging(workers=2).rhythm.fragment(5) == -1  # the whole model
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"average_every": 8, "fragments": 0}, r"fragments must be in 1\.\.average_every \(8\)"),
+        ({"average_every": 4, "fragments": 8}, r"fragments must be in 1\.\.average_every \(4\)"),
+        ({"average_every": 8, "fragments": 3}, r"average_every \(8\) must be a multiple of "
+                                               r"fragments \(3\)"),
+        ({"fragment_mix": 0.5}, "fragment_mix needs fragments"),
+        ({"fragments": 2, "fragment_mix": 1.0}, r"fragment_mix must be in \[0, 1\)"),
+        ({"fragments": 2, "fragment_mix": -0.1}, r"fragment_mix must be in \[0, 1\)"),
+        ({"fragments": 2, "fragment_mix": math.nan}, r"fragment_mix must be in \[0, 1\)"),
+    ],
+)
+def test_invalid_fragments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PeriodicAveraging(workers=2, **kwargs)
+
+
+def test_streamed_rounds_are_sync_rounds():
+    """A version is one fragment's average: the barrier is sync's all the same."""
+    rng = random.Random(3)
+    events = [Joined(w, 0.0) for w in range(3)] + random_events(rng, 3, 300)
+    streamed = PeriodicAveraging(workers=3, average_every=4, fragments=2, stall_after_s=20.0)
+    assert play(streamed, events) == play(Sync(workers=3, stall_after_s=20.0), events)
+
+
 def random_events(rng, n, count):
     """A plausible coordinator's event stream: joins, pushes (fresh, late, ahead, foreign),
     leaves and ticks, with `now` increasing."""
@@ -710,7 +745,8 @@ def test_options_per_model():
     assert Sync.options == {"backups"}
     assert StaleSync.options == {"staleness", "staleness_lr", "momentum_correction"}
     assert Async.options == {"staleness_lr", "momentum_correction"}
-    assert PeriodicAveraging.options == {"average_every", "outer_lr", "outer_momentum", "nesterov"}
+    assert PeriodicAveraging.options == {"average_every", "outer_lr", "outer_momentum", "nesterov",
+                                         "fragments", "fragment_mix"}
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
@@ -741,3 +777,47 @@ def test_async_average_applies_each_change_at_one_over_w_and_holds_nobody():
     assert strategy.version == 4
     with pytest.raises(ValueError, match="average_every must be at least 1, got 0"):
         AsyncAveraging(workers=2, average_every=0)
+
+
+def test_async_average_delays_its_nesterov_momentum_over_n_changes_each_at_one_over_n():
+    strategy = AsyncAveraging(workers=4, outer_lr=0.7, outer_momentum=0.9, momentum_every=2)
+    assert strategy.outer == OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True, every=2)
+    assert strategy.corrected_momentum(0.9) == 0.9  # delayed, not lowered
+    strategy.handle(Joined(0, 0.0))
+    for worker in (1, 2, 3):
+        strategy.handle(Joined(worker, 0.0))
+    assert [d for d in strategy.handle(Arrived(0, 0, 0.0)) if isinstance(d, Apply)] == [
+        Apply(0, (0,), 0.5)]
+    # N is the number of workers unless given; without momentum there is nothing to delay.
+    assert AsyncAveraging(workers=4, outer_lr=0.7, outer_momentum=0.9).outer.every == 4
+    assert AsyncAveraging(workers=4, outer_lr=0.7).outer == OuterOptimizer(lr=0.7)
+    assert AsyncAveraging(workers=4).outer is None
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"outer_momentum": 0.9}, "outer_momentum needs outer_lr"),
+    ({"outer_lr": 0.7, "momentum_every": 2}, "momentum_every delays Nesterov momentum: it "
+                                             "needs outer_momentum"),
+    ({"outer_lr": 0.7, "outer_momentum": 0.9, "momentum_every": 0},
+     "momentum_every must be at least 1, got 0"),
+])
+def test_async_average_refuses_an_outer_optimizer_it_cannot_take(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncAveraging(workers=2, **kwargs)
+
+
+def test_dynamic_steps_scale_each_worker_s_h_to_its_speed_over_the_fastest():
+    strategy = AsyncAveraging(workers=3, average_every=8, dynamic_steps=True)
+    for worker in range(3):
+        strategy.handle(Joined(worker, 0.0))
+    assert strategy.local_steps(0) == 8  # no speed known yet: H
+    strategy.handle(Arrived(0, 0, 0.0, speed=1000.0))
+    strategy.handle(Arrived(1, 0, 0.0, speed=300.0))
+    strategy.handle(Arrived(2, 0, 0.0, speed=10.0))
+    assert [strategy.local_steps(w) for w in range(3)] == [8, 2, 1]  # 8 x 0.3, at least 1
+    strategy.handle(Arrived(1, 1, 0.0, speed=700.0))  # half of each new measure counts
+    assert strategy.local_steps(1) == 4  # 8 x 500 / 1000
+    strategy.handle(Left(0, 1.0))  # the fastest left: worker 1 is the fastest now
+    assert [strategy.local_steps(w) for w in (1, 2)] == [8, 1]
+    assert AsyncAveraging(workers=3).local_steps(0) is None  # off: the rhythm's H for all
+    assert Sync(workers=2).local_steps(0) is None
