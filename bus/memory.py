@@ -114,9 +114,6 @@ class MemoryServer:
     def wants(self, topic: bytes) -> bool:
         return any(topic in c.topics for c in self._subscribers)
 
-    def limit(self, max_message_bytes: int) -> None:
-        self._max_bytes = max_message_bytes
-
     def close(self) -> None:
         if self._network._servers.get(self.endpoint) is self:
             del self._network._servers[self.endpoint]

@@ -330,6 +330,7 @@ class Follow(Message):
     layout: str  # digest of its model's layout; must equal the coordinator's
     build: str = ""  # its tensorbus release
     shared: str = ""  # its bus.shared.HostToken's offer: it reads weights by reference ("": not)
+    run: str = ""  # the run it follows, as its replicas named it ("": none taken yet)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,6 +344,7 @@ class Replica(Message):
     OF_THE_LAYOUT = False  # weights, optimizer state and buffers, of any shape
     MAX_TENSORS = 1024  # (an optimizer keeps a tensor or two a parameter)
     term: int  # the sender's
+    run: str  # the run's id, the same from term to term: a standby follows one run
     # Its weights by reference, to a standby of the same host: the generation of the shared
     # set they lie in (bus.shared.SharedWeightPool), as when sent; 0: they went as bytes.
     generation: int = 0

@@ -87,7 +87,6 @@ class ServerTransport(Protocol):
     async def send(self, peer: bytes, frames: Frames) -> Tracker | None: ...
     async def publish(self, frames: Frames, topic: bytes = TOPIC_ALL) -> Tracker | None: ...
     def wants(self, topic: bytes) -> bool: ...
-    def limit(self, max_message_bytes: int) -> None: ...  # the largest message taken from now on
     def close(self) -> None: ...
 
 
@@ -293,11 +292,6 @@ class ZmqServer:
                     break
                 self._plain_refused += 1
         return self._plain_refused + (self._gate.rejected if self._gate is not None else 0)
-
-    def limit(self, max_message_bytes: int) -> None:
-        """Refuse requests larger than this from connections made from now on (a server
-        that took a larger first message: run.own_loop)."""
-        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
 
     def _socket(self, kind: int, max_message_bytes: int) -> LoopSocket:
         socket: zmq.Socket[Any] = self._context.socket(kind)

@@ -46,7 +46,7 @@ import torch
 
 from tensorbus.bus.buffers import wait_sent
 from tensorbus.bus.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
-from tensorbus.bus.deadline import within
+from tensorbus.bus.deadline import at_most, within
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
 from tensorbus.bus.messages import Collective, CollectiveOp, Outcome, ReduceOp, Reject, Result
 from tensorbus.bus.pieces import copy_into, whole
@@ -276,8 +276,8 @@ class Group:
         deadline = time.monotonic() + waited
         while True:
             try:
-                frames = await asyncio.wait_for(self._client.recv(),
-                                                max(deadline - time.monotonic(), 0.0))
+                frames = await at_most(self._client.recv(),
+                                        max(deadline - time.monotonic(), 0.0))
             except TimeoutError:
                 problem = self._client.connection_problem()
                 hint = (problem if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM) else

@@ -137,6 +137,9 @@ class WorkerConfig:
     # Push gradients by reference, from shared memory, to a coordinator on this host that
     # takes them (bus.shared), where the worker waits for every version: sync, dense.
     shared_memory: bool = True
+    # The coordinator's standby (nodes.replication): where to join when the coordinator does
+    # not answer, a worker that starts after a takeover say (its heartbeats name it anyway).
+    standby: str = ""
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -154,6 +157,9 @@ class WorkerConfig:
         if not (self.device == "cpu" or (self.device.startswith("cuda:")
                                          and self.device[5:].isdigit())):
             raise ValueError(f"device must be cpu or cuda:N, got {self.device!r}")
+        if self.standby and len(self.endpoints) > 1:
+            raise ValueError("standby: a standby follows one coordinator, not shards "
+                             f"({self.connect!r})")
         for name in ("join_timeout_s", "request_timeout_s", "reconnect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -312,7 +312,7 @@ class Coordinator:
     @property
     def standby(self) -> str:
         """Where this coordinator's standby serves ("": none follows it now)."""
-        return self._standbys.endpoint
+        return self._standbys.advertised
 
     @property
     def stopping(self) -> bool:
@@ -342,19 +342,21 @@ class Coordinator:
         is lost, then take its run over from the newest replica: True, and `run` goes on
         from there. False: that coordinator ended its run, and there is nothing to take
         over (TrainingError if it ended with an error). Binds first."""
+        # A replica holds the weights, the optimizer's state (a tensor or two a parameter)
+        # and the buffers: room for that, from the bind on (ZeroMQ takes the limit there).
+        replica_bytes = 4 * self.flat.layout.nbytes + MAX_JSON_BYTES + 65536
+        if self._serving.bound:
+            raise RuntimeError("a standby binds its own sockets, in stand_by: do not bind it before")
+        self._serving.max_bytes = replica_bytes
         endpoint = self.bind()
         if endpoint.startswith("inproc://"):
             raise ValueError(f"a standby serves where workers of other processes reach it, not {endpoint}")
         server = self._serving.server
-        # A replica holds the weights, the optimizer's state (a tensor or two a parameter)
-        # and the buffers: room for that, while following.
-        replica_bytes = 4 * self.flat.layout.nbytes + MAX_JSON_BYTES + 65536
-        server.limit(replica_bytes)
         following = self._following = Following(
             primary, endpoint=endpoint, layout=self.flat.layout.digest, server=server,
             client=self._client, clock=self._clock, heartbeat_s=self.config.heartbeat_s,
             timeout_s=self.config.timeout_s, first_answer_s=self.config.join_timeout_s,
-            max_bytes=replica_bytes)
+            max_bytes=replica_bytes, check=self._replica_refusal)
         self.metrics.write("following", coordinator=primary, endpoint=endpoint)
         try:
             outcome = await following.run()
@@ -363,7 +365,6 @@ class Coordinator:
             raise
         finally:
             self._following = None
-        server.limit(self._max_bytes)
         if isinstance(outcome, Ended):
             self.close()
             if outcome.stop.reason == "error":
@@ -378,9 +379,10 @@ class Coordinator:
             self.close()
             raise FollowError(f"{source} was written again while it was read: nothing whole to "
                               "take over (the coordinator wrote its newest version's set)")
-        members = outcome.state["strategy_state"].get("members", self.strategy.workers)
+        # (0: replicated before any worker joined; then as many as the run starts with)
+        members = outcome.state["strategy_state"].get("members") or self.strategy.workers
         self.strategy.open_gate_at(members)
-        self._standbys.term, self._former = outcome.term, primary
+        self._standbys.term, self._standbys.run_id, self._former = outcome.term, outcome.run, primary
         log.warning("took over from the coordinator at %s, silent for %.1f s: version %d, term "
                     "%d, waiting for %d worker(s) (%d replicas taken)", primary, outcome.silent_s,
                     self.version, outcome.term, self.strategy.gate, following.replicas)
@@ -426,6 +428,7 @@ class Coordinator:
         if self._former:  # (taken over: the one followed steps down if it comes back)
             jobs.append(StepDownNotice(
                 self._former, endpoint=self.endpoint, term=self._standbys.term,
+                run=self._standbys.run_id,
                 layout=self.flat.layout.digest, client=self._client,
                 heartbeat_s=self.config.heartbeat_s).run())
         tasks = [asyncio.create_task(self._guard(c)) for c in jobs]
@@ -618,7 +621,11 @@ class Coordinator:
                 await self._refuse(peer, message, RejectCode.UNEXPECTED, "not taken here")
 
     async def _follow(self, peer: bytes, message: Follow) -> None:
-        """A standby follows us; or one that took over from us (a newer term): step down."""
+        """A standby follows us; or one that took our run over (a newer term): step down."""
+        refused = self._standbys.refusal(message)
+        if refused is not None:
+            await self._refuse(peer, message, RejectCode.UNEXPECTED, refused)
+            return
         if self.state is State.STOPPING:  # the run is ending: its standby ends with it
             await self._serving.reply(peer, self._ending.answer(message.request, self.version))
             return
@@ -627,11 +634,7 @@ class Coordinator:
             await self.fail(SteppedDown(endpoint=message.endpoint, term=message.term,
                                         version=self.version))
             return
-        refused = self._standbys.refusal(message)
-        if refused is not None:
-            await self._refuse(peer, message, RejectCode.UNEXPECTED, refused)
-            return
-        self._standbys.follow(message)
+        self._standbys.follow(peer, message)
         await self._serving.reply(peer, Ack(request=message.request, version=self.version))
         if self._standbys.fresh and (self._replicating is None or self._replicating.done()):
             self._replicating = asyncio.get_running_loop().create_task(
@@ -646,6 +649,15 @@ class Coordinator:
     def _replica(self) -> dict[str, Any]:
         """What a standby takes over from: a checkpoint's state, and our term."""
         return {**self.checkpoints.state(self.version, to_file=False), "term": self._standbys.term}
+
+    def _replica_refusal(self, state: dict[str, Any]) -> str | None:
+        """Why a standby could not take a run of this state over (None: it could)."""
+        if state.get("layout") != self.flat.layout.digest:
+            return f"a model of layout {state.get('layout')}, this standby's {self.flat.layout.digest}"
+        if state.get("strategy") != self.strategy.name:
+            return (f"strategy {state.get('strategy')}, this standby's {self.strategy.name}: "
+                    "start it with the coordinator's options")
+        return None
 
     async def _join(self, peer: bytes, message: Join, now: float) -> None:
         if self.state is State.STOPPING:
@@ -672,7 +684,7 @@ class Coordinator:
             message, admitted.rank, strategy=self.strategy, config=self.config,
             world_size=self._members.world_size, pub_port=self._serving.server.pub_port, lr=self.lr,
             position=self._length.positions.get(admitted.rank, 0), host_token=self._serving.host_token,
-            standby=self._standbys.endpoint)
+            standby=self._standbys.advertised)
         self._intake.copy_held(admitted.rank, self._serving.segments)
         await self._serving.publisher.refresh()
         await self._serving.publisher.send(peer, welcome)
@@ -869,8 +881,12 @@ class Coordinator:
             # after the first one (welcomed just before the stop) hears it too, and leaves.
             beat = (self._ending.answer(0, self.version) if self.state is State.STOPPING
                     else Heartbeat(version=self.version, phase=self.state.value,
-                                   standby=self._standbys.endpoint))
+                                   standby=self._standbys.advertised))
             await self._serving.publish(beat)
+            if self._standbys.peer is not None and self.state is not State.STOPPING:
+                # Our standby hears us each beat too, whatever a step holds up meanwhile.
+                await self._serving.reply(self._standbys.peer, Heartbeat(
+                    version=self.version, phase=self.state.value))
             for member in self._members.silent(now, self.config.timeout_s):
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
@@ -912,7 +928,8 @@ class Coordinator:
         whoever catches it: the CLI's last line)."""
         self._ending.fail(why)
         async with self._step_lock:
-            await self.checkpoints.write(self.version)
+            if not isinstance(why, SteppedDown):  # (its versions since the cut are nobody's)
+                await self.checkpoints.write(self.version)
             await self._stop(str(why))
 
     @property

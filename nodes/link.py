@@ -120,6 +120,7 @@ class Link:
         self._config_request_timeout_s = request_timeout_s
         self.request_timeout_s = request_timeout_s
         self._announced_port = 0  # the broadcast port the last Welcome named
+        self._moved_from = ""  # the coordinator left for its standby (move_to's back_to)
         # The coordinator takes tensors by reference, and sees our /dev/shm (bus.shared):
         # it also broadcasts its versions by reference, read through this segment cache.
         self.shared = False
@@ -201,13 +202,15 @@ class Link:
         if self._client is not None:
             self._client.close()
 
-    async def move_to(self, endpoint: str) -> None:
+    async def move_to(self, endpoint: str, *, back_to: str = "") -> None:
         """Talk to the coordinator at `endpoint` from now on (a standby that took the run
-        over: nodes.replication), with new sockets; join it next."""
+        over: nodes.replication), with new sockets; join it next. `back_to`: where to go
+        back to if it answers `not_yet` for as long as a coordinator's timeout (the one we
+        left, still alive: it was us who could not reach it)."""
         await self.close()
         log.info("worker %d moves from the %s to the coordinator at %s", self._owner.rank,
                  self.peer, endpoint)
-        self.endpoint = endpoint
+        self._moved_from, self.endpoint = back_to, endpoint
         self.liveness.peer = self.versions.peer = self.peer
         self._client, self._receiving, self._broken = None, None, None
         self.joined, self.shared, self._announced_port = False, False, 0
@@ -221,6 +224,7 @@ class Link:
         deadline = self._clock.monotonic() + within_s
         wait = 1.0
         say_at = self._clock.monotonic() + JOIN_SAY_S  # say once that nobody answers yet
+        not_yet_since: float | None = None  # a standby answered not_yet since then
         while True:
             join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD,
                         shared=self._host_token, stage=self.stage, stages=self.stages,
@@ -234,6 +238,9 @@ class Link:
                     raise HandshakeError(self.peer, problem) from None  # waiting will not mend it
                 if self._clock.monotonic() >= deadline:
                     raise PeerTimeoutError(self.peer, what, within_s, problem or "") from None
+                standby = self.liveness.standby
+                if standby and standby != self.endpoint:  # (it may have taken the run over)
+                    await self.move_to(standby, back_to=self.endpoint)
                 if self._clock.monotonic() >= say_at:
                     say_at = math.inf
                     who = f"worker {rank}" if rank >= 0 else "a worker (any rank)"
@@ -246,9 +253,15 @@ class Link:
                 if e.code == RejectCode.RANK_TAKEN.value and any_rank and rank != -1:
                     rank = -1  # our old rank went to another worker; any will do
                     continue
-                if e.code == RejectCode.NOT_YET.value:  # a standby, about to take over
-                    if self._clock.monotonic() >= deadline:
+                if e.code == RejectCode.NOT_YET.value:  # a standby, about to take over?
+                    now = self._clock.monotonic()
+                    if now >= deadline:
                         raise PeerTimeoutError(self.peer, what, within_s, e.detail) from None
+                    not_yet_since = now if not_yet_since is None else not_yet_since
+                    if self._moved_from and now - not_yet_since > self.liveness.timeout_s:
+                        # It hears its coordinator still: back to that one, which we lost.
+                        await self.move_to(self._moved_from, back_to=self.endpoint)
+                        not_yet_since = None
                     await asyncio.sleep(NOT_YET_S)
                     continue
                 raise

@@ -30,6 +30,7 @@ from typing import Any, Final
 
 from tensorbus.bus.clock import SYSTEM_CLOCK, Clock
 from tensorbus.bus.codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
+from tensorbus.bus.deadline import at_most
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.messages import ActivationGrads, Activations, Heartbeat, Kind, Message
 from tensorbus.bus.transport import Hub, ZmqRouter, ZmqSender
@@ -213,8 +214,8 @@ class Neighbours:
             for sender in list(self._senders.values()):
                 # (A beat that cannot leave is dropped: the neighbour's silence says it.)
                 try:
-                    await asyncio.wait_for(sender.send(encode(Heartbeat(sender=self.pipeline))),
-                                           self.heartbeat_s)
+                    await at_most(sender.send(encode(Heartbeat(sender=self.pipeline))),
+                                  self.heartbeat_s)
                 except TimeoutError:
                     pass
             await asyncio.sleep(self.heartbeat_s)
@@ -249,7 +250,7 @@ class Neighbours:
 
     async def _send(self, offset: int, frames: list[Any], what: str) -> None:
         try:
-            await asyncio.wait_for(self._senders[offset].send(frames), self.timeout_s)
+            await at_most(self._senders[offset].send(frames), self.timeout_s)
         except TimeoutError:  # (its inbox takes nothing: it is gone, or stalled)
             raise NeighbourLost(self.stage + offset, self.pipeline, self.timeout_s,
                                 f"its inbox to take the {what}") from None

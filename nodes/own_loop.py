@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from tensorbus.bus.codec import decode, encode
-from tensorbus.bus.deadline import within
+from tensorbus.bus.deadline import at_most, within
 from tensorbus.bus.errors import HandshakeError, PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Ack, Describe, Ready, Reject, RejectCode, Welcome
@@ -446,7 +446,7 @@ async def _describe(endpoint: str, message: Describe, within_s: float,
             # (The send has a deadline too: a DEALER with no peer yet blocks in send.)
             await within(client.send(frames), left, peer=peer, waiting_for="sending describe")
             try:
-                reply = decode(await asyncio.wait_for(client.recv(), timeout=min(wait, left)))
+                reply = decode(await at_most(client.recv(), min(wait, left)))
             except TimeoutError:
                 problem = client.connection_problem()
                 if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM):

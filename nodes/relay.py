@@ -43,6 +43,7 @@ from tensorbus.bus.security import ClientKeys
 from tensorbus.nodes.config import CoordinatorConfig
 from tensorbus.nodes.coordinator import Coordinator, Progress
 from tensorbus.nodes.link import Link, Stopped
+from tensorbus.nodes.liveness import Moved
 from tensorbus.nodes.next_version import NoNextVersion
 from tensorbus.nodes.optimizers import OptimizerFactory
 from tensorbus.strategies.base import PushKind, Strategy, Wait
@@ -209,6 +210,8 @@ class Relay:
             self.phase = Phase.COMPUTING
         except Stopped:
             raise NoNextVersion("the root stopped", self._root_failure()) from None
+        except Moved as e:  # (a root that stepped down: a relay does not follow its standby)
+            raise NoNextVersion("the root moved", f"the root stepped down: {e}") from None
 
     def _root_failure(self) -> str | None:
         """Why the root's run failed, if it said so as it stopped."""

@@ -3,9 +3,11 @@
 A standby (`tensorbus coordinator ... --standby-of tcp://PRIMARY:PORT`) binds its own
 sockets, then follows the coordinator it names:
 
-- Every heartbeat it sends that coordinator a `Follow` (its endpoint and term); the answer
-  proves the coordinator alive. The coordinator names the standby's endpoint in its
-  Welcomes and heartbeats, so that its workers know where to go if it is lost.
+- Every heartbeat it sends that coordinator a `Follow` (its endpoint, its term, the run it
+  follows), and the coordinator sends it a heartbeat of its own, from its tick: either proves
+  the coordinator alive, even through a long step. Once the standby holds the version the
+  workers have, the coordinator names its endpoint in its Welcomes and heartbeats, so that
+  its workers know where to go if it is lost. One standby at a time.
 - The coordinator replicates before it publishes: at every version, the run's state (what
   a checkpoint holds: weights, the model's buffers, the optimizer's and scheduler's state,
   the strategy's, each rank's data position, the samples) goes to the standby as a
@@ -15,16 +17,17 @@ sockets, then follows the coordinator it names:
   update taken but not yet applied dies with the coordinator; its worker computes it
   again, from the replicated data position.
 - A standby that does not acknowledge within the coordinator's timeout is dropped (said in
-  the log): the run goes on without one.
+  the log), and refused if it follows again: the run goes on without one.
 - Once the coordinator has been silent for `--timeout`, the standby takes over from its
   newest replica, in the next term: it serves on its own endpoint, and the workers, which
   lost the coordinator too, move there by themselves (nodes.worker_session). Until then it
   answers workers `not_yet`.
 - A coordinator that ends its run (done or failed) tells its standby, which ends with it.
 - Terms keep one coordinator: the standby that took over keeps sending Follows of its
-  term to the old coordinator's endpoint. One that lived on apart (a network partition)
-  hears it once the network heals, steps down (nodes.failures.SteppedDown, exit status 1),
-  and its workers move to the new one.
+  term, and of the run's id, to the old coordinator's endpoint. One that lived on apart (a
+  network partition) hears it once the network heals, steps down (nodes.failures.
+  SteppedDown, exit status 1), and its workers move to the new one. A coordinator of
+  another run at that address (another id) refuses it.
 
 `Standbys` is the coordinator's part, `Following` the standby's until it takes over, and
 `StepDownNotice` the new coordinator's call to the old one.
@@ -37,15 +40,17 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from tensorbus.bus.buffers import wait_sent
 from tensorbus.bus.clock import Clock
 from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.deadline import at_most
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError, WireError
 from tensorbus.bus.messages import (
     BUILD,
@@ -67,23 +72,6 @@ from tensorbus.nodes.metrics import Metrics
 
 log = logging.getLogger("tensorbus.coordinator")
 ACK_BYTES = 1 << 16  # what the coordinator takes back from its standby: acknowledgements
-T = TypeVar("T")
-
-
-async def _within(awaitable: Awaitable[T], seconds: float) -> T:
-    """`awaitable`'s result, or TimeoutError after `seconds` (it is then cancelled). Not
-    asyncio.wait_for, which on Python 3.11 may swallow a cancellation of its caller that
-    comes as the awaitable completes: a loop around it would then never end."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=seconds)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise TimeoutError
-    return task.result()
 
 
 class FollowError(TrainingError):
@@ -99,6 +87,7 @@ class TakeOver:
     state: dict[str, Any]
     term: int
     silent_s: float
+    run: str
     generation: int = 0
 
     def torn(self) -> bool:
@@ -123,7 +112,10 @@ class Standbys:
         """`shared_pool`: where the coordinator's weight sets lie in shared memory: a standby
         of this host reads the weights there, by reference, instead of taking their bytes."""
         self.term = term  # takeovers before this coordinator's (0: the first coordinator)
-        self.endpoint = ""  # the standby's, named in heartbeats and Welcomes ("": none)
+        self.run_id = secrets.token_hex(8)  # (a standby that takes over keeps the run's)
+        self.endpoint = ""  # the standby's ("": none)
+        self.peer: bytes | None = None  # its connection to our sockets: our beats go there
+        self._dropped: dict[str, str] = {}  # endpoints of standbys dropped, and why
         self._layout = layout
         self._timeout_s = timeout_s
         self._clock = clock
@@ -137,20 +129,37 @@ class Standbys:
         self.replicated = 0  # replicas acknowledged
         self.replicate_s = 0.0  # spent sending them and waiting for their acknowledgements
 
+    @property
+    def advertised(self) -> str:
+        """The standby's endpoint, for heartbeats and Welcomes, once it holds the version
+        the workers have ("" before: a worker would find nothing whole there)."""
+        return self.endpoint if not self.fresh else ""
+
     def refusal(self, follow: Follow) -> str | None:
-        """Why `follow` cannot be taken (None: it can)."""
+        """Why `follow` cannot be taken (None: it can; one of a newer term then tells this
+        coordinator to step down)."""
         if follow.layout != self._layout:
             return (f"the standby's model has layout {follow.layout}, this coordinator's "
                     f"{self._layout}: start the standby with the same SPEC")
         if not follow.endpoint or follow.endpoint.startswith("inproc://"):
             return f"the standby's endpoint {follow.endpoint!r} is not one workers can move to"
+        if follow.run != self.run_id and (follow.run or follow.term > self.term):
+            return (f"the standby follows run {follow.run or '(none)'}, this coordinator serves "
+                    f"run {self.run_id}")
+        if follow.term > self.term:
+            return None
+        if follow.endpoint in self._dropped:
+            return (f"this coordinator dropped the standby at {follow.endpoint} "
+                    f"({self._dropped[follow.endpoint]}): start another, at another address")
+        if self.endpoint and follow.endpoint != self.endpoint:
+            return f"this coordinator has a standby already, at {self.endpoint}"
         return None
 
-    def follow(self, follow: Follow) -> None:
-        """A standby follows at `follow.endpoint` (again, each beat; anew, if it moved)."""
+    def follow(self, peer: bytes, follow: Follow) -> None:
+        """A standby follows at `follow.endpoint`, from connection `peer` (again, each beat)."""
+        self.peer = peer
         if follow.endpoint == self.endpoint:
             return
-        self.drop()
         self._client = self._client_factory(follow.endpoint, max_message_bytes=ACK_BYTES)
         self.endpoint, self.fresh = follow.endpoint, True
         self.by_reference = (self._shared_pool is not None and bool(follow.shared)
@@ -166,17 +175,19 @@ class Standbys:
             return
         started = self._clock.monotonic()
         made = state()
-        try:
-            skeleton, tensors = flatten(made)
-        except TreeError as e:  # (an optimizer that keeps what is not a tensor or a plain value)
-            log.error("this run's state cannot be replicated (%s): going on without a standby", e)
-            self.drop()
-            return
         # A standby of this host reads the weights where they lie (the newest version's set,
         # which no step writes again: nodes.master), with the set's generation to check.
         pool = self._shared_pool if self.by_reference else None
+        try:
+            skeleton, tensors = flatten(made, most=Replica.MAX_TENSORS - 1, keep=(
+                (lambda t: pool.locate(t) is not None) if pool is not None else None))
+        except TreeError as e:  # (an optimizer that keeps what is not a tensor or a plain value)
+            log.error("this run's state cannot be replicated (%s): going on without a standby", e)
+            self.drop(f"this run's state cannot be replicated: {e}")
+            return
         generation = pool.generation(made["weights"]) if pool is not None else None
-        message = Replica(version=version, term=self.term, generation=generation or 0, tensors=(
+        message = Replica(version=version, term=self.term, run=self.run_id,
+                          generation=generation or 0, tensors=(
             torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), *tensors))
         try:
             await self._request(message, f"the replica of version {version}",
@@ -187,7 +198,7 @@ class Standbys:
                         self.endpoint, version, e)
             self._metrics.write("standby_dropped", endpoint=self.endpoint, version=version,
                                 why=str(e))
-            self.drop()
+            self.drop(f"it did not take the replica of version {version}")
             return
         self.fresh = False
         self.replicated += 1
@@ -216,7 +227,7 @@ class Standbys:
         peer = f"standby at {self.endpoint}"
         sent = encode(dataclasses.replace(message, request=request), refer=refer)
         try:
-            tracker = await _within(client.send(sent), seconds)
+            tracker = await at_most(client.send(sent), seconds)
         except TimeoutError:  # (a DEALER whose peer is gone, its queue full, blocks in send)
             raise PeerTimeoutError(peer, f"sending {what}", seconds) from None
         while True:
@@ -224,7 +235,7 @@ class Standbys:
             if left <= 0:
                 raise PeerTimeoutError(peer, what, seconds)
             try:
-                frames = await _within(client.recv(), left)
+                frames = await at_most(client.recv(), left)
             except TimeoutError:
                 raise PeerTimeoutError(peer, what, seconds) from None
             answer = decode(frames, max_bytes=ACK_BYTES)
@@ -235,11 +246,14 @@ class Standbys:
             break
         await wait_sent(tracker, timeout=max(deadline - self._clock.monotonic(), 0.1), what=what)
 
-    def drop(self) -> None:
-        """Forget the standby (closing the socket drops what was queued for it)."""
+    def drop(self, why: str = "") -> None:
+        """Forget the standby (closing the socket drops what was queued for it: frames of a
+        replica given up on are let go of so); `why`, if it failed: it is refused after."""
+        if why and self.endpoint:
+            self._dropped[self.endpoint] = why
         if self._client is not None:
             self._client.close()
-        self._client, self.endpoint, self.fresh = None, "", False
+        self._client, self.endpoint, self.fresh, self.peer = None, "", False, None
 
     def summary(self) -> dict[str, Any]:
         return {"term": self.term, "standby": self.endpoint or None,
@@ -253,9 +267,11 @@ class Following:
 
     def __init__(self, primary: str, *, endpoint: str, layout: str, server: ServerTransport,
                  client: ClientFactory, clock: Clock, heartbeat_s: float, timeout_s: float,
-                 first_answer_s: float, max_bytes: int) -> None:
+                 first_answer_s: float, max_bytes: int,
+                 check: Callable[[dict[str, Any]], str | None]) -> None:
         """`first_answer_s`: how long the coordinator may take to answer a first time (it
-        may start after us); then it is lost once silent for `timeout_s`."""
+        may start after us); then it is lost once silent for `timeout_s`. `check`: why
+        the first replica's state is not one we could take over from (None: it is)."""
         self._primary = primary
         self._endpoint = endpoint
         self._layout = layout
@@ -266,6 +282,8 @@ class Following:
         self._timeout_s = timeout_s
         self._max_bytes = max_bytes
         self._first_answer_s = first_answer_s
+        self._check = check
+        self._run = ""  # the run followed, as the replicas name it
         self._newest: Replica | None = None
         self._heard: float | None = None  # when the coordinator was last heard (None: never)
         self._began = clock.monotonic()
@@ -324,11 +342,11 @@ class Following:
     async def _probe(self, client: ClientTransport, offer: str) -> None:
         for request in itertools.count(1):
             follow = Follow(request=request, endpoint=self._endpoint, term=0, layout=self._layout,
-                            build=BUILD, shared=offer)
+                            build=BUILD, shared=offer, run=self._run)
             # A DEALER whose peer is gone blocks in send: given up after a beat (the watch
             # decides).
             with contextlib.suppress(TimeoutError):
-                await _within(client.send(encode(follow)), self._heartbeat_s)
+                await at_most(client.send(encode(follow)), self._heartbeat_s)
             await asyncio.sleep(self._heartbeat_s)
 
     async def _answers(self, client: ClientTransport) -> None:
@@ -340,7 +358,7 @@ class Following:
                 log.warning("standby: a bad answer from the coordinator at %s: %s", self._primary, e)
                 continue
             match answer:
-                case Ack():
+                case Ack() | Heartbeat():  # (its beats come through its steps)
                     self._heard = self._clock.monotonic()
                 case Stop():
                     self._end(Ended(answer))
@@ -361,8 +379,11 @@ class Following:
                 continue
             match message:
                 case Replica():
+                    if self._newest is None:  # the first: one we could take over from?
+                        self._take_first(message)
                     if self._newest is None or message.version >= self._newest.version:
                         self._newest = message
+                        self._run = message.run
                     self.replicas += 1
                     self._heard = self._clock.monotonic()
                     await server.send(peer, encode(Ack(request=message.request,
@@ -379,6 +400,16 @@ class Following:
                         detail=f"a standby of the coordinator at {self._primary}, not serving "
                                "yet: it takes over if that coordinator is lost")))
             del frames, message
+
+    def _take_first(self, replica: Replica) -> None:
+        """Check the first replica now, not at a takeover, with the workers moved already."""
+        try:
+            refused = self._check(replica_state(replica))
+        except TreeError as e:
+            refused = f"it cannot be read: {e}"
+        if refused is not None:
+            self._end(FollowError(f"the coordinator at {self._primary} runs what this standby "
+                                  f"could not take over: {refused}"))
 
     async def _watch(self) -> None:
         while True:
@@ -406,7 +437,8 @@ class Following:
                 self._end(FollowError(f"the newest replica (version {self._newest.version}) "
                                       f"cannot be read: {e}"))
                 return
-            self._end(TakeOver(state, self._newest.term + 1, silent, self._newest.generation))
+            self._end(TakeOver(state, self._newest.term + 1, silent, self._newest.run,
+                               self._newest.generation))
             return
 
 
@@ -428,9 +460,10 @@ class StepDownNotice:
     term to that endpoint, every heartbeat, until one is answered (that coordinator, back
     from a partition, then steps down)."""
 
-    def __init__(self, former: str, *, endpoint: str, term: int, layout: str,
+    def __init__(self, former: str, *, endpoint: str, term: int, run: str, layout: str,
                  client: ClientFactory, heartbeat_s: float) -> None:
         self._former = former
+        self._run = run
         self._endpoint = endpoint
         self._term = term
         self._layout = layout
@@ -442,10 +475,10 @@ class StepDownNotice:
         try:
             for request in itertools.count(1):
                 follow = Follow(request=request, endpoint=self._endpoint, term=self._term,
-                                layout=self._layout, build=BUILD)
+                                layout=self._layout, build=BUILD, run=self._run)
                 try:
-                    await _within(client.send(encode(follow)), self._heartbeat_s)
-                    answer = decode(await _within(client.recv(), self._heartbeat_s),
+                    await at_most(client.send(encode(follow)), self._heartbeat_s)
+                    answer = decode(await at_most(client.recv(), self._heartbeat_s),
                                     max_bytes=ACK_BYTES)
                 except (TimeoutError, WireError):
                     continue

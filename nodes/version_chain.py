@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from tensorbus.bus.deadline import at_most
 from tensorbus.bus.errors import PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Layout, Shard
 from tensorbus.bus.messages import Changes, Fragment, Message, Pull, Weights, Welcome
@@ -282,7 +283,7 @@ class VersionChain:
                 raise Stopped
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), liveness.heartbeat_s * 2)
+                await at_most(self._arrived.wait(), liveness.heartbeat_s * 2)
                 quiet = False
             except TimeoutError:
                 quiet = True

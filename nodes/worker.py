@@ -132,6 +132,8 @@ class Worker:
                  model_buffers=self.flat.model_buffers if i == 0 and self.flat.model_buffers else None)
             for i, (endpoint, shard) in enumerate(zip(config.endpoints, self._shards, strict=True))
         ]
+        if config.standby:  # (until the coordinator's heartbeats say where its standby is)
+            self.links[0].liveness.standby = config.standby
         self._data = RankData(data, self.device)  # the shard's batches, kept across rejoins
         self._in_place = InPlace(self.flat, self.links, self._shards,
                                  colocated_sets if self.device.type == "cpu" else None)

@@ -46,15 +46,16 @@ class WorkerSessions:
         worker = self._worker
         welcome = await self._join(worker.config.join_timeout_s, "join")
         while True:
-            to = ""  # where to join again: another coordinator, or ("") the same
+            to, back_to = "", ""  # where to join again ("": the same coordinator)
             try:
                 await self._session(welcome)
                 return
             except PeerTimeoutError as e:
                 why = f"lost the coordinator ({e})"
-                # One coordinator with a standby: it takes the run over (nodes.replication).
+                # One coordinator with a standby: it takes the run over (nodes.replication),
+                # unless it hears its coordinator still (then back there: link.join).
                 if len(worker.links) == 1 and worker.links[0].liveness.standby:
-                    to = worker.links[0].liveness.standby
+                    to, back_to = worker.links[0].liveness.standby, worker.links[0].endpoint
             except Moved as e:
                 why, to = str(e), e.endpoint
             except RejectedError as e:
@@ -65,7 +66,7 @@ class WorkerSessions:
                         worker.version, worker.phase.value, f" at {to}" if to else "")
             worker.rejoins += 1
             if to:
-                await worker.links[0].move_to(to)
+                await worker.links[0].move_to(to, back_to=back_to)
             waited = self._clock.monotonic() - min(link.seen for link in worker.links)
             welcome = await self._join(max(worker.config.reconnect_timeout_s - waited, 1.0),
                                        f"rejoin (after: {why})")

@@ -252,7 +252,7 @@ def _worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(connect=args.connect, rank=args.rank, device=_device(args.device),
                           join_timeout_s=args.join_timeout_s, faults=parse_worker(args.fault),
                           reconnect_timeout_s=args.reconnect_timeout_s,
-                          shared_memory=args.shared_memory,
+                          shared_memory=args.shared_memory, standby=args.standby or "",
                           keys=load_client_keys(args.keys, args.key_name) if args.keys else None)
     try:
         worker = _new_worker(args, spec, config)

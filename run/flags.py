@@ -197,6 +197,11 @@ def parser() -> OneLineParser:
     _keys(worker, "CURVE: DIR holds coordinator.key and this worker's NAME.key_secret")
     _shared_memory(worker)
     _key_name(worker, "which key pair of DIR is this worker's (default: worker)")
+    worker.add_argument("--standby", metavar="tcp://HOST:PORT",
+                        help="the standby of the coordinator at --connect (`coordinator "
+                             "--standby-of`): join there when the coordinator does not answer "
+                             "(a worker that starts after the standby took the run over); the "
+                             "coordinator's heartbeats name its standby anyway")
     worker.add_argument("--reconnect-timeout", type=float, default=60.0, metavar="SECONDS",
                         dest="reconnect_timeout_s",
                         help="after losing the coordinator, keep trying to join again this "

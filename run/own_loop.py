@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tensorbus.bus.codec import decode, encode
+from tensorbus.bus.deadline import at_most
 from tensorbus.bus.errors import WireError
 from tensorbus.bus.messages import Ack, Describe, Reject, RejectCode
 from tensorbus.bus.pieces import Received, whole
@@ -80,7 +81,7 @@ async def first_description(server: ZmqServer, *, within_s: float) -> Describe:
              "model", endpoint, server.pub_port)
     try:
         while True:
-            peer, frames = await asyncio.wait_for(server.recv(), timeout=within_s)
+            peer, frames = await at_most(server.recv(), within_s)
             try:
                 message = decode(frames, max_bytes=MAX_DESCRIBE_BYTES)
             except WireError as e:
@@ -137,7 +138,6 @@ def own_loop_coordinator(
         model=shell, strategy=strategy, config=config,
         optimizer=(lambda params: build_optimizer(optimizer, list(params))) if optimizer else None,
         on_step=on_step, server=server)
-    server.limit(coordinator.master.flat.layout.nbytes + 65536)  # (as its own bind's)
     return coordinator
 
 

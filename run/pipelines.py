@@ -86,8 +86,16 @@ def make_stage_coordinators(
     model = whole(stages)
 
     def assembled(_: torch.nn.Module) -> dict[str, float]:
+        """evaluate() on the whole model, every stage in eval mode (the first stage's alone
+        is the coordinator's: nodes.evalpoints sets it), each mode given back after."""
         assert evaluate is not None
-        return evaluate(model)
+        modes = [m.training for m in model.modules()]
+        model.eval()
+        try:
+            return evaluate(model)
+        finally:
+            for module, mode in zip(model.modules(), modes, strict=True):
+                module.training = mode
 
     def lost(stage: int) -> Callable[[int, str], Any] | None:
         if on_lost is None:
@@ -173,6 +181,7 @@ class Pipelines:
         self.coordinators: list[Coordinator] = []
         self.processes: dict[tuple[int, int], Process] = {}  # (pipeline, stage) -> its worker
         self.stopped: set[int] = set()
+        self.reaping: list[asyncio.Task[None]] = []  # the workers of pipelines stopped
 
     def worker(self, pipeline: int, stage: int) -> int:
         """Its index among `local`'s workers (what --fault names)."""
@@ -201,7 +210,8 @@ class Pipelines:
         # coordinator; one that does not is killed, and removed as it ends (`ended`).
         await self.coordinators[stage].remove(pipeline, f"{why}: removed with its pipeline")
         ours = [p for (d, _), p in self.processes.items() if d == pipeline]
-        asyncio.get_running_loop().create_task(_reap(ours, timeout=0.0))
+        # (Kept, so that it is not collected while it runs, and awaited as the run ends.)
+        self.reaping.append(asyncio.get_running_loop().create_task(_reap(ours, timeout=0.0)))
 
     async def ended(self, pipeline: int, stage: int, why: str) -> None:
         """A worker's process ended before the run did: its pipeline stops (or has)."""
@@ -265,6 +275,7 @@ async def launch_pipelines(
         return summary
     finally:
         await _reap(workers, timeout=0.0)
+        await asyncio.gather(*pipelines.reaping, return_exceptions=True)
         for relay in relays:
             relay.cancel()
         await asyncio.gather(*relays, return_exceptions=True)

@@ -12,7 +12,7 @@ from typing import Any
 _FIELDS = {"event", "strategy", "workers", "steps", "samples", "wall_s", "train_s",
            "final_loss", "dropped", "rejected", "max_staleness", "max_clock_gap", "broadcasts",
            "lost", "ended", "resumed_from", "stopped_by", "checkpoint", "per_worker",
-           "unused", "pipeline"}
+           "unused", "pipeline", "standby"}
 
 
 def table(summary: dict[str, Any], metrics: Path | None, *, keeps: bool = True) -> str:
@@ -39,12 +39,24 @@ def table(summary: dict[str, Any], metrics: Path | None, *, keeps: bool = True) 
         lines.append(f"  unused       {summary['unused']} samples an epoch (the last partial "
                      "global batch)")
     lines += _pipeline(summary.get("pipeline"))
+    lines += _standby(summary.get("standby"))
     lines.append(f"  ended        {summary['ended'] or '-'}")
     if metrics is not None:
         lines.append(f"  every step and the whole summary: {metrics}")
     elif keeps:
         lines.append("  (--metrics FILE.jsonl keeps every step and the whole summary)")
     return "\n".join(lines)
+
+
+def _standby(section: Any) -> list[str]:
+    """A run that had a standby coordinator (nodes.replication.Standbys.summary)."""
+    if not isinstance(section, dict):
+        return []
+    took = (f"took the run over (term {section['term']}); " if section["term"] else "")
+    replicas = section["replicated"]
+    each = 1e3 * section["replicate_s"] / replicas if replicas else 0.0
+    return [f"  standby      {took}{replicas} versions replicated, {each:.1f} ms each"
+            + (" (weights by reference)" if section.get("by_reference") else "")]
 
 
 def _pipeline(section: Any) -> list[str]:

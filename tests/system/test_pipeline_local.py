@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "examples" / "digits_pipeline.py"
 FAST = ["--threads", "1", "--no-progress", "--heartbeat", "0.2", "--timeout", "3"]
 
-# A model of 4 stages of 2048 x 2048 (48 MB of parameters, 16 MB a stage), on random data.
+# A model of 3 stages of 2048 x 2048 and a 2048 x 10 head (48 MB of parameters, 16 MB a
+# stage), on random data.
 BIG = '''
 import torch
 import torch.nn.functional as F

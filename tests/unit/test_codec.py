@@ -192,9 +192,11 @@ SAMPLES = {
                             build="0.1.0", tensors=WEIGHTS),
     Kind.FOLLOW: Follow(sender=COORDINATOR, request=22, version=3, endpoint="tcp://10.0.0.2:5555",
                         term=1, layout="0f1e2d3c4b5a6978", build="0.1.0",
-                        shared="tensorbus-2-0123456789abcdef 00112233445566778899aabbccddeeff"),
+                        shared="tensorbus-2-0123456789abcdef 00112233445566778899aabbccddeeff",
+                        run="5f3c9a1e0b7d2c4a"),
     # A state's tree (bus.tree) then its tensors: any shape, the model's layout or not.
     Kind.REPLICA: Replica(sender=COORDINATOR, request=23, version=9, term=2, generation=5,
+                          run="5f3c9a1e0b7d2c4a",
                           tensors=(torch.frombuffer(bytearray(b'{"d":[]}'), dtype=torch.uint8),
                                    torch.ones(2, 3), torch.tensor(4.0))),
     Kind.PEERS: Peers(sender=1, request=22, version=2, previous="tcp://127.0.0.1:40001",
@@ -619,9 +621,9 @@ def test_a_replica_carries_more_tensors_than_other_kinds_and_no_more_than_its_ow
     most = Replica.MAX_TENSORS
     assert most > MAX_TENSORS
     tensors = tuple(torch.tensor([i % 256], dtype=torch.uint8) for i in range(most))
-    decoded = decode(received(encode(Replica(term=1, tensors=tensors))))
+    decoded = decode(received(encode(Replica(term=1, run="r", tensors=tensors))))
     assert len(decoded.tensors) == most
-    header, payload = split(Replica(term=1, tensors=(*tensors, tensors[0])))
+    header, payload = split(Replica(term=1, run="r", tensors=(*tensors, tensors[0])))
     assert_malformed(repack(header, payload), f"{most + 1} tensors, at most {most}")
 
 
