@@ -187,7 +187,8 @@ def test_a_sweep_spares_live_creators_and_knows_a_reused_pid() -> None:
         try:
             assert creator_alive(name) and not creator_alive(reused.name)
             gone = sweep()
-            assert reused.name in gone and name not in gone
+            # (Another test's process may sweep it first: that it is gone is the point.)
+            assert name not in gone
             assert (ROOT / name).exists() and not reused.exists()
         finally:
             reused.unlink(missing_ok=True)

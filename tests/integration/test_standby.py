@@ -139,7 +139,9 @@ def test_a_killed_coordinator_is_taken_over_with_no_version_lost(strategy: str) 
     assert summary["resumed_from"] == got["last"] and summary["standby"]["term"] == 1
     assert summary["steps"] == STEPS
     assert TIMEOUT_S <= got["taken_over_s"] <= TIMEOUT_S + 2 * BEAT_S
-    assert got["first_new_s"] <= TIMEOUT_S + 1.0
+    # (Streaming's first version after a rejoin waits for a fragment's push from each
+    # worker, whose first cycle after the join may take a request's timeout more.)
+    assert got["first_new_s"] <= TIMEOUT_S + (2.0 if strategy == "streaming" else 1.0)
     # The workers moved by themselves and ended on the standby's final version.
     assert [r.rejoins for r in got["reports"]] == [1, 1]
     assert {r.final_version for r in got["reports"]} == {STEPS}
