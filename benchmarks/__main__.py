@@ -100,7 +100,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               smoke=("--params", "1M", "--steps", "30", "--skip", "5", "--rounds", "1")),
     Benchmark(name="pipeline", measures="a pipeline's step and bubble against (P-1)/(M+P-1)",
               baseline="torch.distributed.pipelining on gloo, same stages and micro-batches",
-              minutes="15", runs=((),),
+              minutes="10", runs=((),),
               smoke=("--stages", "2", "--micro-batches", "2", "--steps", "8", "--rounds", "1",
                      "--width", "256")),
     Benchmark(name="gpu", measures="Fashion-MNIST on CUDA workers, sync step, host-device copies",

@@ -16,7 +16,7 @@ from its metrics' step records, for torch from rank 0's clock. Every figure is b
 other's of the same round; the ratio is taken within each round. Defaults (about 15
 minutes on 2 cores, most of it processes starting):
 
-    python -m benchmarks pipeline [--stages 2 4] [--micro-batches 1 4 8] [--schedule 1f1b]
+    python -m benchmarks pipeline [--stages 2 4] [--micro-batches 4 8] [--schedule 1f1b]
                                   [--width 1024] [--batch-size 64] [--steps 40] [--rounds 3]
 
 On 2 cores, 4 stage processes share 2 cores: what is measured there is how each side
@@ -30,6 +30,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import queue as queue_module
 import statistics
 import subprocess
 import sys
@@ -131,7 +132,15 @@ def torch_pipelining(stages: int, micro: int, schedule: str, width: int, batch: 
     for p in processes:
         p.start()
     try:
-        times = queue.get(timeout=600)
+        deadline = time.monotonic() + 600
+        while True:  # (a rank that fails ends without a result: said, not waited for)
+            try:
+                times = queue.get(timeout=1.0)
+                break
+            except queue_module.Empty:
+                if any(p.exitcode not in (None, 0) for p in processes) or time.monotonic() > deadline:
+                    raise RuntimeError("torch.distributed.pipelining's ranks ended without a "
+                                       f"result (exit codes {[p.exitcode for p in processes]})") from None
     finally:
         for p in processes:
             p.join(60)
@@ -144,7 +153,8 @@ def main(argv: Sequence[str], meta: Meta) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks pipeline",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4, 8])
+    # (torch's Schedule1F1B refuses fewer micro-batches than stages: M from 4.)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -159,6 +169,9 @@ def main(argv: Sequence[str], meta: Meta) -> None:
     for r in range(args.rounds):
         for p, m in cases:
             f = figures[f"P={p} M={m}"]
+            if args.schedule == "1f1b" and m < p:
+                parser.error(f"--micro-batches {m} with --stages {p}: torch.distributed."
+                             "pipelining's 1F1B needs at least as many micro-batches as stages")
             ours = tensorbus(p, m, args.schedule, args.width, args.batch_size, args.steps)
             theirs = torch_pipelining(p, m, args.schedule, args.width, args.batch_size, args.steps)
             f["tensorbus_s"].append(ours["step_s"])

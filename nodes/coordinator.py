@@ -23,9 +23,12 @@ own lives in its module, decides and records, and never touches a socket:
 
 What is left here, past the size the other modules keep, is what needs several parts at
 once: receiving and answering, carrying out the strategy's decisions, the tick, a worker's
-departure, and the run's start and end. Split further, each of these would reach into
-most parts through callbacks, and the order of their effects (a step, then its metrics,
-then its broadcast, then a stop) would no longer be read in one place. A relay
+departure, the run's start and end, and a standby's place in them (a Follow answered, a
+first replica under the step lock, a replica before each broadcast, a takeover that loads
+the checkpoints' parts and opens the strategy's gate). Split further, each of these would
+reach into most parts through callbacks, and the order of their effects (a step, then its
+metrics, then its replica, then its broadcast, then a stop) would no longer be read in one
+place. A relay
 (nodes.relay) holds one and gives it its next versions (nodes.next_version).
 """
 
