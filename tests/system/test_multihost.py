@@ -235,8 +235,8 @@ def test_a_coordinator_cut_off_from_its_standby_steps_down_once_the_network_heal
         records = c.wait_for("the standby dropped", lambda rs: any(
             r["event"] == "standby_dropped" for r in rs), timeout=20)
         dropped_at = next(r for r in records if r["event"] == "standby_dropped")["wall_s"]
-        c.wait_for("versions after the drop", lambda rs: any(
-            r["event"] == "step" and r["wall_s"] > dropped_at + 1.0 for r in rs))
+        c.wait_for("a version after the drop", lambda rs: any(
+            r["event"] == "step" and r["wall_s"] > dropped_at for r in rs))
         taken_over = _records_of(standby_metrics, "takeover", within_s=20)
         c.net.restore(2)
 
@@ -247,7 +247,7 @@ def test_a_coordinator_cut_off_from_its_standby_steps_down_once_the_network_heal
         assert f"the standby at {standby_at} took the run over (term 1)" in said
         # The workers moved: the standby trains with both of them.
         _records_of(standby_metrics, "step", within_s=30, where=lambda r: r["workers"] == [0, 1]
-                    and r["version"] > taken_over["version"] + 5)
+                    and r["version"] > taken_over["version"])
         standby.send_signal(signal.SIGTERM)
         out, _ = standby.communicate(timeout=30)
         summary = json.loads(out[out.index("{"):])
