@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from tensorbus.nodes.coordinator import Progress
 from tensorbus.nodes.failures import SteppedDown
 from tensorbus.nodes.faults import Faults
+from tensorbus.nodes.replication import FollowError
 from tensorbus.strategies import Async, AsyncAveraging, PeriodicAveraging, StaleSync, Strategy, Sync
 
 pytestmark = pytest.mark.timeout(30)
@@ -118,13 +120,13 @@ def test_a_killed_coordinator_is_taken_over_with_no_version_lost(strategy: str) 
             await asyncio.sleep(0.05)
         workers = [asyncio.create_task(_worker(network, clock, endpoint).run()) for _ in range(2)]
         assert await following  # taken over
+        serving = asyncio.create_task(standby.run())  # (at once, as the CLI does)
+        taken_over_at = clock.monotonic()
         assert kill.at is not None
         await asyncio.gather(running, return_exceptions=True)
         # (Under async a push may be applied, and replicated, in the moment before the kill
         # lands: the last version is the one it made, whichever.)
         killed_at, last = kill.at, primary.version
-        taken_over_at = clock.monotonic()
-        serving = asyncio.create_task(standby.run())
         await _version(standby, last + 1)
         first_new_s = clock.monotonic() - killed_at
         summary = await serving
@@ -139,8 +141,8 @@ def test_a_killed_coordinator_is_taken_over_with_no_version_lost(strategy: str) 
     assert summary["resumed_from"] == got["last"] and summary["standby"]["term"] == 1
     assert summary["steps"] == STEPS
     assert TIMEOUT_S <= got["taken_over_s"] <= TIMEOUT_S + 2 * BEAT_S
-    # (Streaming's first version after a rejoin waits for a fragment's push from each
-    # worker, whose first cycle after the join may take a request's timeout more.)
+    # (Streaming's first version after the rejoins waits for a fragment's push from each
+    # worker, a cycle of local steps and a pull later: under load, up to a second more.)
     assert got["first_new_s"] <= TIMEOUT_S + (2.0 if strategy == "streaming" else 1.0)
     # The workers moved by themselves and ended on the standby's final version.
     assert [r.rejoins for r in got["reports"]] == [1, 1]
@@ -232,3 +234,117 @@ def test_a_coordinator_cut_off_from_its_standby_steps_down_once_they_meet_again(
     assert str(old).startswith(f"stepped down at version {old.version}: the standby at ")
     assert summary["steps"] == STEPS and summary["standby"]["term"] == 1
     assert {r.final_version for r in reports} == {STEPS} and all(r.rejoins == 1 for r in reports)
+
+
+def test_a_worker_started_after_the_takeover_joins_the_standby_it_was_given() -> None:
+    """A worker pointed at the lost coordinator, and given its standby (`worker --standby`),
+    joins the standby once the coordinator does not answer."""
+    async def train(clock: LoopClock) -> tuple[Any, Any, dict[str, Any]]:
+        network = MemoryNetwork()
+        kill = Cut(clock)
+        coordinators = [Coordinator(
+            model=digits.model(), strategy=Async(workers=1), evaluate=digits.evaluate,
+            config=CoordinatorConfig(batch_size=8, steps=STEPS, shared_memory=False,
+                                     heartbeat_s=BEAT_S, timeout_s=TIMEOUT_S, max_workers=2),
+            transport=network.server, client=network.client, clock=clock, lr=0.05,
+            on_step=lambda p: kill() if p.version == KILL_AT else None) for _ in range(2)]
+        primary, standby = coordinators
+        endpoint = primary.bind()
+        running = asyncio.create_task(primary.run())
+        kill.then = lambda: (network.partition(endpoint), running.cancel())
+        following = asyncio.create_task(standby.stand_by(endpoint))
+        while not primary.standby:
+            await asyncio.sleep(0.05)
+        first = asyncio.create_task(_worker(network, clock, endpoint, slow_s=0.2).run())
+        assert await following
+        serving = asyncio.create_task(standby.run())
+        late = Worker(model=digits.model(), data=digits.data, loss=digits.loss,
+                      config=WorkerConfig(connect=endpoint, standby=standby.endpoint,
+                                          shared_memory=False, faults=Faults(slow_s=0.2)),
+                      transport=network.client, clock=clock)
+        reports = await asyncio.gather(first, late.run())
+        return reports[0], reports[1], await serving
+
+    first, late, summary = run_virtual(train)
+    assert summary["steps"] == STEPS and summary["standby"]["term"] == 1
+    assert first.rejoins == 1 and late.rejoins == 0 and late.pushes > 0
+    assert summary["per_worker"][str(late.rank)]["applied"] == late.pushes
+
+
+def test_a_standby_that_does_not_take_a_replica_is_dropped_once_and_refused_after() -> None:
+    """The coordinator's link to its standby fails (severed): the standby is dropped after
+    one timeout, its next Follow refused, and it ends saying so; the run goes on, not one
+    version a timeout."""
+    async def train(clock: LoopClock) -> tuple[dict[str, Any], BaseException | bool]:
+        network = MemoryNetwork()
+        kill = Cut(clock)
+        primary = _coordinator(network, clock, "sync", at=kill)
+        standby = _coordinator(network, clock, "sync")
+        endpoint = primary.bind()
+        running = asyncio.create_task(primary.run())
+        following = asyncio.create_task(standby.stand_by(endpoint))
+        while not primary.standby:
+            await asyncio.sleep(0.05)
+        kill.then = lambda: network.sever(primary._standbys._client)  # type: ignore[arg-type]
+        workers = [asyncio.create_task(_worker(network, clock, endpoint).run()) for _ in range(2)]
+        summary = await running
+        await asyncio.gather(*workers)
+        return summary, (await asyncio.gather(following, return_exceptions=True))[0]
+
+    started = time.monotonic()
+    summary, ended = run_virtual(train)
+    assert summary["steps"] == STEPS and summary["standby"]["replicated"] == KILL_AT + 1
+    assert summary["train_s"] < TIMEOUT_S + 1.0  # (one timeout in all, not one a version)
+    assert isinstance(ended, FollowError)
+    assert "refused this standby: unexpected: this coordinator dropped the standby at " in str(ended)
+    assert time.monotonic() - started < 20
+
+
+def test_a_second_standby_is_refused_while_the_first_follows() -> None:
+    async def follow(clock: LoopClock) -> BaseException | bool:
+        network = MemoryNetwork()
+        primary = _coordinator(network, clock, "sync")
+        endpoint = primary.bind()
+        running = asyncio.create_task(primary.run())
+        first = asyncio.create_task(_coordinator(network, clock, "sync").stand_by(endpoint))
+        while not primary.standby:
+            await asyncio.sleep(0.05)
+        second = (await asyncio.gather(_coordinator(network, clock, "sync").stand_by(endpoint),
+                                       return_exceptions=True))[0]
+        for task in (first, running):
+            task.cancel()
+        await asyncio.gather(first, running, return_exceptions=True)
+        return second
+
+    second = run_virtual(follow)
+    assert isinstance(second, FollowError)
+    assert "this coordinator has a standby already, at mem://2" in str(second)
+
+
+def test_a_worker_cut_off_alone_goes_back_to_its_coordinator_from_the_standby() -> None:
+    """Only the worker lost its coordinator: the standby, hearing the coordinator still,
+    answers not_yet; after a timeout of that the worker goes back, and joins again."""
+    async def train(clock: LoopClock) -> tuple[dict[str, Any], list[Any]]:
+        network = MemoryNetwork()
+        kill = Cut(clock)
+        primary = _coordinator(network, clock, "sync", at=kill, steps=60)
+        standby = _coordinator(network, clock, "sync")
+        endpoint = primary.bind()
+        running = asyncio.create_task(primary.run())
+        following = asyncio.create_task(standby.stand_by(endpoint))
+        while not primary.standby:
+            await asyncio.sleep(0.05)
+        # (Steps of 0.2 s: the run lasts past the cut worker's trip to the standby and back.)
+        cut = _worker(network, clock, endpoint, slow_s=0.2)
+        kill.then = lambda: network.sever(cut.links[0]._client)  # type: ignore[arg-type]
+        workers = [asyncio.create_task(w.run())
+                   for w in (cut, _worker(network, clock, endpoint, slow_s=0.2))]
+        summary = await running
+        reports = await asyncio.gather(*workers)
+        await asyncio.gather(following, return_exceptions=True)
+        return summary, reports
+
+    summary, reports = run_virtual(train)
+    assert summary["steps"] == 60 and summary["standby"]["term"] == 0
+    assert [w["rank"] for w in summary["lost"]] == [0]  # removed for silence, then back
+    assert reports[0].rejoins == 1 and summary["per_worker"]["0"]["joins"] == 2
