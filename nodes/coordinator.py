@@ -714,9 +714,14 @@ class Coordinator:
             # but one that pushed by reference and waits for no newer version writes these
             # buffers again once answered (bus.shared, Ownership): answered after the step
             # that takes the push, or, kept for a later one, once copied out. (Ssp's Hold
-            # stays: the answer, after the step, still waits for the slowest.)
+            # stays: the answer, after the step, still waits for the slowest.) Async-average's
+            # worker goes on from the version its change made (it takes the model back, as in
+            # Liu et al.): answered after that step too, the answer names that version.
             stepped = False
-            if taken.by_reference and self.strategy.rhythm.wait is not Wait.NEWER:
+            rhythm = self.strategy.rhythm
+            after_step = taken.by_reference or (rhythm.push is PushKind.WEIGHTS
+                                                and rhythm.wait is Wait.ANSWERED)
+            if after_step and rhythm.wait is not Wait.NEWER:
                 if any(isinstance(d, Apply) and member.rank in d.workers for d in decisions):
                     await self._carry_out(decisions)
                     # (Held still, unless released meanwhile: a member left while the step
@@ -724,7 +729,7 @@ class Coordinator:
                     decisions = [d for d in decisions if isinstance(d, Hold)
                                  and self.strategy.holds_back(d.worker)]
                     stepped = True
-                else:
+                elif taken.by_reference:
                     self._intake.copy_held(member.rank, self._serving.segments)
             if stepped and self._ending.stopping:  # (the last step)
                 await self._serving.reply(peer, self._ending.answer(message.request, self.version))
