@@ -83,7 +83,7 @@ MAX_DIMS: Final = 8
 MAX_ARRAY: Final = max(MAX_TENSORS * (MAX_DIMS + 3), 2 * MOST_TENSORS)
 MAX_STRING: Final = 4096
 DEFAULT_MAX_MESSAGE_BYTES: Final = 4 << 30
-_HEADER_KEYS: Final = frozenset("pksrvtf")
+_HEADER_KEYS: Final = frozenset("pksrvetf")
 _OPTIONAL_KEYS: Final = frozenset("b")
 _INT64_MAX: Final = 2**63 - 1
 
@@ -91,10 +91,12 @@ Buffer = bytes | bytearray | memoryview
 
 
 def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
-           refer: Callable[[torch.Tensor], Ref | None] | None = None) -> list[Buffer | np.ndarray]:
+           refer: Callable[[torch.Tensor], Ref | None] | None = None,
+           term: int | None = None) -> list[Buffer | np.ndarray]:
     """Turn a message into frames: the header, then each tensor's bytes in chunks (not copied).
     A tensor that `refer` places (in shared memory the receiver reads: bus.shared) goes as
-    its place instead."""
+    its place instead. `term`: the sender's, in place of the message's (a coordinator
+    stamps its own on all it sends, without a copy of each message)."""
     specs = []
     frames: list[Buffer | np.ndarray] = [b""]
     if message.state and not message.CARRIES_STATE:
@@ -127,6 +129,7 @@ def encode(message: Message, *, chunk_bytes: int = CHUNK_BYTES,
         "s": message.sender,
         "r": message.request,
         "v": message.version,
+        "e": message.term if term is None else term,
         "t": specs,
         "f": {name: getattr(message, name) for name in own_fields},
     }
@@ -185,6 +188,7 @@ def _decode(
         "sender": _int(header, "s", minimum=-1),
         "request": _int(header, "r", minimum=0),
         "version": _int(header, "v", minimum=0),
+        "term": _int(header, "e", minimum=0),
     }
     values = _fields(header["f"], own_fields)
     part = values.get("fragment", -1)

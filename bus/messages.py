@@ -1,6 +1,6 @@
 """The closed set of messages tensorbus nodes exchange, as frozen records.
 
-Every message shares an envelope (sender, request id, model version, tensors) and adds a few
+Every message shares an envelope (sender, request id, model version, term, tensors) and adds a few
 scalar fields of its own. Only `int`, `float`, `str` and `bool` fields exist, so that the
 codec can check every header field's type before anything is built from it. Tensors are flat
 buffers, one per dtype bucket of the model (see `bus.layout`), cut into frames on the wire;
@@ -122,6 +122,10 @@ class Message:
     sender: int = COORDINATOR
     request: int = 0  # non-zero where a reply is expected; the reply echoes it
     version: int = 0  # the model version the payload or the statement refers to
+    # The coordinator's term: takeovers by a standby before it (nodes.replication). Its own
+    # messages carry it; a worker's carry the newest it heard. A coordinator that hears a
+    # newer one was taken over (cut off) and steps down; a worker drops what an older says.
+    term: int = 0
     # Sent: tensors. Received: tensors, or Pieces for those that came in several frames.
     tensors: tuple[Received, ...] = field(default=(), compare=False, repr=False)
     # The model's buffers, one flat tensor per dtype of their layout (empty: none sent).
@@ -140,6 +144,9 @@ class Join(Message):
     stage: int = 0
     stages: int = 1
     inbox: str = ""
+    # The run it was last welcomed into (a Welcome's `run`; "": none): with a newer term than
+    # the coordinator's, it makes that coordinator step down (nodes.replication).
+    run: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +191,7 @@ class Welcome(Message):
     precision: str = ""  # the forward's autocast: "", "bf16-mixed" or "fp16-mixed"
     # Where a standby coordinator serves, for the worker to move to if this one is lost ("": none).
     standby: str = ""
+    run: str = ""  # the run's id, the same from term to term (a Replica's): named in joins
     # A pipeline stage's worker: the micro-batches a batch is cut into, and the order its
     # stage runs them in (nodes.pipeline_order.Schedule: "1f1b" or "gpipe").
     micro_batches: int = 1
@@ -325,8 +333,7 @@ class Follow(Message):
     tells a coordinator that lived on apart to step down (nodes.replication)."""
 
     KIND = Kind.FOLLOW
-    endpoint: str  # where the standby serves: tcp://HOST:PORT
-    term: int  # takeovers before the sender's: 0 for a first standby
+    endpoint: str  # where the standby serves: tcp://HOST:PORT (its term: the envelope's)
     layout: str  # digest of its model's layout; must equal the coordinator's
     build: str = ""  # its tensorbus release
     shared: str = ""  # its bus.shared.HostToken's offer: it reads weights by reference ("": not)
@@ -343,7 +350,6 @@ class Replica(Message):
     CARRIES_TENSORS = True
     OF_THE_LAYOUT = False  # weights, optimizer state and buffers, of any shape
     MAX_TENSORS = 1024  # (an optimizer keeps a tensor or two a parameter)
-    term: int  # the sender's
     run: str  # the run's id, the same from term to term: a standby follows one run
     # Its weights by reference, to a standby of the same host: the generation of the shared
     # set they lie in (bus.shared.SharedWeightPool), as when sent; 0: they went as bytes.

@@ -20,8 +20,10 @@ from typing import Final
 # Stop that moves workers, the not_yet refusal); pipeline stages (Peers, Activations,
 # ActivationGrads; a Join's stage and inbox, a Welcome's micro-batches and schedule), a
 # push's peak memory and a stage's busy time; streaming averaging (Fragment, a push's
-# fragment and local steps, the Welcome's fragments and mix, an Ack's local steps)
-PROTOCOL_VERSION: Final = 12
+# fragment and local steps, the Welcome's fragments and mix, an Ack's local steps);
+# 13: every message carries its coordinator's term (header key "e"), Follow's and
+# Replica's own term fields gone into it
+PROTOCOL_VERSION: Final = 13
 
 
 def _build() -> str:

@@ -71,10 +71,10 @@ def refusal(join: Join | Describe, *, layout: str, model: object,
 
 def welcome(join: Join, rank: int, *, strategy: Strategy, config: CoordinatorConfig,
             world_size: int, pub_port: int, lr: float, position: int,
-            host_token: HostToken | None, standby: str = "") -> Welcome:
+            host_token: HostToken | None, standby: str = "", run: str = "") -> Welcome:
     """The Welcome of worker `rank`, admitted for `join` (its weights go with it, sent by
     nodes.publisher). `host_token`: ours, offered to a worker of this host (bus.shared);
-    `standby`: where our standby serves ("": none)."""
+    `standby`: where our standby serves ("": none); `run`: the run's id."""
     rhythm = strategy.rhythm
     return Welcome(
         request=join.request, rank=rank, world_size=world_size, strategy=strategy.name,
@@ -84,7 +84,7 @@ def welcome(join: Join, rank: int, *, strategy: Strategy, config: CoordinatorCon
         shared=(host_token.offer if host_token is not None and join.shared and HostToken.seen(join.shared)
                 else ""),
         seed=config.seed, clip_grad_norm=config.clip_grad_norm or 0.0,
-        precision=config.precision, standby=standby, fragments=rhythm.fragments, mix=rhythm.mix,
+        precision=config.precision, standby=standby, run=run, fragments=rhythm.fragments, mix=rhythm.mix,
         micro_batches=config.micro_batches if config.pipeline > 1 else 1,
         schedule=config.schedule if config.pipeline > 1 else "",
     )

@@ -386,6 +386,7 @@ class Coordinator:
         members = outcome.state["strategy_state"].get("members") or self.strategy.workers
         self.strategy.open_gate_at(members)
         self._standbys.term, self._standbys.run_id, self._former = outcome.term, outcome.run, primary
+        self._serving.term = outcome.term  # (on all it sends from now on)
         log.warning("took over from the coordinator at %s, silent for %.1f s: version %d, term "
                     "%d, waiting for %d worker(s) (%d replicas taken)", primary, outcome.silent_s,
                     self.version, outcome.term, self.strategy.gate, following.replicas)
@@ -400,7 +401,8 @@ class Coordinator:
             heartbeat_s=self.config.heartbeat_s, metrics=self.metrics,
             shared_pool=self._shared_pool, host_token=host_token, version=lambda: self.version,
             stopping=lambda: self._ending.stopping, buffers=self._buffers.published,
-            background=lambda c: asyncio.create_task(self._guard(c))))
+            background=lambda c: asyncio.create_task(self._guard(c)),
+            term=lambda: self._serving.term))
 
     async def run(self, *, before_evaluate: Awaitable[Any] | None = None) -> dict[str, Any]:
         """Train until the target version, then stop the workers and return the summary.
@@ -543,6 +545,9 @@ class Coordinator:
     async def _dispatch(self, peer: bytes, message: Message) -> None:
         now = self._clock.monotonic()
         if isinstance(message, Join):
+            if message.term > self._serving.term and message.run == self._standbys.run_id:
+                await self._newer_term(peer, message)
+                return
             await self._join(peer, message, now)
             return
         if isinstance(message, Follow):  # a standby's (nodes.replication)
@@ -623,6 +628,20 @@ class Coordinator:
             case _:
                 await self._refuse(peer, message, RejectCode.UNEXPECTED, "not taken here")
 
+    async def _newer_term(self, peer: bytes, message: Join) -> None:
+        """A worker of this run joins in a newer term: it was at the coordinator that took
+        the run over while we were cut off (and came back, having lost it). Two coordinators
+        must not serve one run: step down, and send the workers to our standby, which that
+        one was. (Only a join naming the run's id counts: a stranger's term decides nothing.)"""
+        if not self._ending.stopping:
+            # (Our last words in the newer term: a worker of it takes them, and moves.)
+            self._serving.term = message.term
+            await self.fail(SteppedDown(endpoint=self._standbys.last, term=message.term,
+                                        version=self.version,
+                                        by=(f"worker {message.sender}" if message.sender >= 0
+                                            else "a joining worker")))
+        await self._serving.reply(peer, self._ending.answer(message.request, self.version))
+
     async def _follow(self, peer: bytes, message: Follow) -> None:
         """A standby follows us; or one that took our run over (a newer term): step down."""
         refused = self._standbys.refusal(message)
@@ -634,6 +653,7 @@ class Coordinator:
             return
         if message.term > self._standbys.term:
             await self._serving.reply(peer, Ack(request=message.request, version=self.version))
+            self._serving.term = message.term
             await self.fail(SteppedDown(endpoint=message.endpoint, term=message.term,
                                         version=self.version))
             return
@@ -687,7 +707,7 @@ class Coordinator:
             message, admitted.rank, strategy=self.strategy, config=self.config,
             world_size=self._members.world_size, pub_port=self._serving.server.pub_port, lr=self.lr,
             position=self._length.positions.get(admitted.rank, 0), host_token=self._serving.host_token,
-            standby=self._standbys.advertised)
+            standby=self._standbys.advertised, run=self._standbys.run_id)
         self._intake.copy_held(admitted.rank, self._serving.segments)
         await self._serving.publisher.refresh()
         await self._serving.publisher.send(peer, welcome)

@@ -114,7 +114,7 @@ class Ending:
         """What a request is answered with once stopping (and what the stop broadcast
         says, as request 0): a failure said, so that a worker whose answer comes first
         knows it too."""
-        if isinstance(self.failure, SteppedDown):  # the run goes on elsewhere: workers move
+        if isinstance(self.failure, SteppedDown) and self.failure.endpoint:  # it goes on there
             return Stop(request=request, version=version, reason="moved", detail=self.failure.endpoint)
         if self.failure is not None:
             return Stop(request=request, version=version, reason="error", detail=str(self.failure))

@@ -162,23 +162,33 @@ class NoVersionMade(TrainingError):
 @dataclass(eq=False)
 class SteppedDown(TrainingError):
     """A standby took the run over (`term`) while this coordinator lived on apart from it
-    (a network partition, say): this one steps down and its workers move to `endpoint`."""
+    (a network partition, say): this one steps down and its workers move to `endpoint`.
+    Said by that standby, or (`by`) by a worker that had been its: a message of the newer
+    term."""
 
-    endpoint: str
+    endpoint: str  # where the run goes on ("": not known here; the workers stop)
     term: int
     version: int  # this coordinator's, as it steps down
+    by: str = ""  # who spoke for the newer term, where not the standby ("worker 3")
 
     def __post_init__(self) -> None:
         TrainingError.__init__(self)
 
     @classmethod
     def examples(cls) -> tuple[SteppedDown, ...]:
-        return (cls(endpoint="tcp://10.0.0.2:5555", term=1, version=412),)
+        return (cls(endpoint="tcp://10.0.0.2:5555", term=1, version=412),
+                cls(endpoint="tcp://10.0.0.2:5555", term=1, version=412, by="worker 3"))
 
     def describe(self) -> str:
-        return (f"stepped down at version {self.version}: the standby at {self.endpoint} took "
-                f"the run over (term {self.term}) while this coordinator was cut off from it; "
-                "the workers move there, and the run goes on at that coordinator")
+        if not self.by:
+            return (f"stepped down at version {self.version}: the standby at {self.endpoint} "
+                    f"took the run over (term {self.term}) while this coordinator was cut off "
+                    "from it; the workers move there, and the run goes on at that coordinator")
+        where = (f"the workers move to the standby at {self.endpoint}" if self.endpoint else
+                 "the workers stop (this coordinator knows no standby to send them to)")
+        return (f"stepped down at version {self.version}: {self.by} spoke for term {self.term}, "
+                "a coordinator that took the run over while this one was cut off from it; "
+                f"{where}")
 
 
 FAILURES: tuple[type[TrainingError], ...] = (Diverged, TooFewWorkers, JoinTimedOut, NoVersionMade,

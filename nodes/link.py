@@ -68,7 +68,7 @@ from tensorbus.bus.transport import (
     Hub,
     ZmqClient,
 )
-from tensorbus.nodes.liveness import Liveness, Owner, Stopped
+from tensorbus.nodes.liveness import Liveness, Moved, Owner, Stopped
 from tensorbus.nodes.model_buffers import ModelBuffers
 from tensorbus.nodes.version_chain import VersionChain
 
@@ -228,7 +228,7 @@ class Link:
         while True:
             join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD,
                         shared=self._host_token, stage=self.stage, stages=self.stages,
-                        inbox=self.inbox)
+                        inbox=self.inbox, run=self.liveness.run)
             try:
                 left = max(deadline - self._clock.monotonic(), 0.1)
                 reply = await self.request(join, timeout=min(wait, left))
@@ -241,6 +241,11 @@ class Link:
                 standby = self.liveness.standby
                 if standby and standby != self.endpoint:  # (it may have taken the run over)
                     await self.move_to(standby, back_to=self.endpoint)
+                elif self._moved_from and self._moved_from != self.endpoint:
+                    # The coordinator we moved to is lost too, and names no standby: the one
+                    # we left may be back. If it was taken over meanwhile, our join's newer
+                    # term makes it step down and send us on (a Stop that moves us).
+                    await self.move_to(self._moved_from, back_to=self.endpoint)
                 if self._clock.monotonic() >= say_at:
                     say_at = math.inf
                     who = f"worker {rank}" if rank >= 0 else "a worker (any rank)"
@@ -248,6 +253,9 @@ class Link:
                                 "for %.0f s in all", who, what.split(" ")[0],
                                 self.peer, problem or "is it running?", within_s)
                 wait = min(wait * 2, 10.0)
+                continue
+            except Moved as e:  # (one that stepped down, at our newer term: where to go)
+                await self.move_to(e.endpoint)
                 continue
             except RejectedError as e:
                 if e.code == RejectCode.RANK_TAKEN.value and any_rank and rank != -1:
@@ -318,7 +326,7 @@ class Link:
         what = f"{message.KIND.name.lower()} (request {request})"
         try:
             # The send has a deadline too: a DEALER whose peer is gone blocks in send.
-            frames = encode(replace(message, request=request), refer=refer)
+            frames = encode(replace(message, request=request, term=self.liveness.term), refer=refer)
             tracker = await within(self._client.send(frames),
                                    seconds, peer=self.peer, waiting_for=f"sending {what}")
             if patient:
@@ -366,6 +374,9 @@ class Link:
                 log.warning("worker %d: bad reply from the %s: %s", self._owner.rank, self.peer, e)
                 continue
             del frames  # the message holds what it needs of them (see _broadcasts)
+            if self.liveness.stale(message):
+                self._stale(message)
+                continue
             self.liveness.heard(message)
             waiting = self._pending.get(message.request)
             if waiting is not None and not waiting.done():
@@ -386,6 +397,10 @@ class Link:
                     log.warning("worker %d: the %s refused a message: %s: %s",
                                 self._owner.rank, self.peer, message.code, message.detail)
 
+    def _stale(self, message: Message) -> None:
+        log.warning("worker %d: ignored a %s of term %d from the %s: term %d took the run over",
+                    self._owner.rank, message.KIND.name, message.term, self.peer, self.liveness.term)
+
     async def _broadcasts(self) -> None:
         assert self._client is not None
         versions = self.versions
@@ -396,6 +411,9 @@ class Link:
                                  fragments=self._fragment_layouts)
             except WireError as e:
                 log.warning("worker %d: bad broadcast: %s", self._owner.rank, e)
+                continue
+            if self.liveness.stale(message):
+                self._stale(message)
                 continue
             self.liveness.heard(message)
             match message:

@@ -66,6 +66,10 @@ class Liveness:
         self.stopped = False
         self.failure: str | None = None  # why the coordinator's run failed, if it said so
         self.standby = ""  # where the coordinator's standby serves, as it last said ("": none)
+        # The newest coordinator term heard (nodes.replication): on all the worker sends, so
+        # that a coordinator taken over while cut off steps down when it hears one of ours.
+        self.term = 0
+        self.run = ""  # the run's id, as the last Welcome said it (named in our joins)
 
     def welcomed(self, welcome: Welcome) -> None:
         """A join was answered: take the coordinator's timings and its version (a restarted
@@ -74,8 +78,15 @@ class Liveness:
         self.heartbeat_s, self.timeout_s = welcome.heartbeat_s, welcome.timeout_s
         self.seen = self._clock.monotonic()
         self.standby = welcome.standby
+        self.run = welcome.run
+
+    def stale(self, message: Message) -> bool:
+        """Whether `message` comes from a coordinator of a term older than one we heard (one
+        taken over while cut off, not told yet): nothing it says counts."""
+        return message.term < self.term
 
     def heard(self, message: Message) -> None:
+        self.term = max(self.term, message.term)
         self.seen = self._clock.monotonic()
         self.coordinator_version = max(self.coordinator_version, message.version)
         if isinstance(message, Heartbeat):  # (a coordinator's beat names its standby, or none)
@@ -108,7 +119,7 @@ class Liveness:
         owner = self._owner
         while True:
             beat = Heartbeat(sender=owner.rank, version=self._loaded(), phase=owner.phase.value,
-                             clock=owner.clock)
+                             clock=owner.clock, term=self.term)
             await client.send(encode(beat))
             await asyncio.sleep(self.heartbeat_s)
 

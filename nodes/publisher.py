@@ -42,10 +42,12 @@ class Publisher:
         version: Callable[[], int], stopping: Callable[[], bool],
         buffers: Callable[[], tuple[torch.Tensor, ...]],
         background: Callable[[Awaitable[None]], asyncio.Task[None]],
+        term: Callable[[], int] = lambda: 0,
     ) -> None:
-        """`version`: the coordinator's newest; `stopping`: whether it is stopping (no
-        broadcast waits then); `buffers`: the model's, to go with the weights;
-        `background`: runs a task whose failure fails the run (Coordinator._guard)."""
+        """`version`: the coordinator's newest; `term`: its term, on all it sends;
+        `stopping`: whether it is stopping (no broadcast waits then); `buffers`: the
+        model's, to go with the weights; `background`: runs a task whose failure fails
+        the run (Coordinator._guard)."""
         self._master = master
         self._server = server
         self._step_lock = step_lock  # never copy weights that a step is writing
@@ -58,6 +60,7 @@ class Publisher:
         self._stopping = stopping
         self._buffers = buffers
         self._background = background
+        self._term = term
         self._broadcast: AllDone | Tracker | None = None  # the last broadcast, until sent
         self._later: asyncio.Task[None] | None = None  # a broadcast waiting for the last one
 
@@ -98,7 +101,7 @@ class Publisher:
             message: Message = Changes(version=version, base=old.version, tensors=changes,
                                        state=self._buffers())
             self._master.advance_snapshot(changes, version, self._shared_pool)
-            self._broadcast = await server.publish(encode(message))
+            self._broadcast = await server.publish(encode(message, term=self._term()))
             return
         fragment = self._master.fragment(version)
         if fragment is not None:
@@ -106,20 +109,23 @@ class Publisher:
             snapshot = self._master.take_snapshot(version)
             part = Fragment(version=version, fragment=fragment, state=self._buffers(),
                             tensors=self._master.fragments[fragment].take(snapshot.buffers))
-            self._broadcast = await tracked(snapshot, server.publish(encode(part)))
+            self._broadcast = await tracked(snapshot, server.publish(encode(part, term=self._term())))
             return
         snapshot = self._master.take_snapshot(version)
         weights = Weights(version=snapshot.version, tensors=snapshot.buffers, state=self._buffers())
         sends: list[Tracker | None] = []
         if server.wants(TOPIC_WEIGHTS):  # (made only for someone: bus.transport)
-            sends.append(await tracked(snapshot, server.publish(encode(weights), TOPIC_WEIGHTS)))
+            frames = encode(weights, term=self._term())
+            sends.append(await tracked(snapshot, server.publish(frames, TOPIC_WEIGHTS)))
         if self._host_token is not None and server.wants(TOPIC_SHARED):
             # For the workers of this host (bus.transport's topics): where the set lies in
             # our shared memory, and its generation, or else its bytes too.
             shared_pool = self._shared_pool
             generation = shared_pool.generation(snapshot.buffers) if shared_pool is not None else None
-            frames = (encode(replace(weights, generation=generation), refer=shared_pool.locate)
-                      if shared_pool is not None and generation is not None else encode(weights))
+            frames = (encode(replace(weights, generation=generation), refer=shared_pool.locate,
+                             term=self._term())
+                      if shared_pool is not None and generation is not None
+                      else encode(weights, term=self._term()))
             sends.append(await tracked(snapshot, server.publish(frames, TOPIC_SHARED)))
         self._broadcast = AllDone(sends)
 
@@ -138,4 +144,4 @@ class Publisher:
         assert snapshot is not None
         message = replace(message, version=snapshot.version, tensors=snapshot.buffers,
                           state=self._buffers())
-        await tracked(snapshot, self._server.send(peer, encode(message)))
+        await tracked(snapshot, self._server.send(peer, encode(message, term=self._term())))

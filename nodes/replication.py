@@ -114,6 +114,7 @@ class Standbys:
         self.term = term  # takeovers before this coordinator's (0: the first coordinator)
         self.run_id = secrets.token_hex(8)  # (a standby that takes over keeps the run's)
         self.endpoint = ""  # the standby's ("": none)
+        self.last = ""  # the newest standby's, kept when dropped: where a takeover would be
         self.peer: bytes | None = None  # its connection to our sockets: our beats go there
         self._dropped: dict[str, str] = {}  # endpoints of standbys dropped, and why
         self._layout = layout
@@ -161,7 +162,7 @@ class Standbys:
         if follow.endpoint == self.endpoint:
             return
         self._client = self._client_factory(follow.endpoint, max_message_bytes=ACK_BYTES)
-        self.endpoint, self.fresh = follow.endpoint, True
+        self.endpoint, self.last, self.fresh = follow.endpoint, follow.endpoint, True
         self.by_reference = (self._shared_pool is not None and bool(follow.shared)
                              and HostToken.seen(follow.shared))
         log.info("a standby follows this coordinator from %s%s", follow.endpoint,
@@ -225,7 +226,7 @@ class Standbys:
         request = next(self._requests)
         deadline = self._clock.monotonic() + seconds
         peer = f"standby at {self.endpoint}"
-        sent = encode(dataclasses.replace(message, request=request), refer=refer)
+        sent = encode(dataclasses.replace(message, request=request, term=self.term), refer=refer)
         try:
             tracker = await at_most(client.send(sent), seconds)
         except TimeoutError:  # (a DEALER whose peer is gone, its queue full, blocks in send)
@@ -375,7 +376,7 @@ class Following:
                 message = decode(frames, max_bytes=self._max_bytes, segments=self._segments)
             except WireError as e:
                 await server.send(peer, encode(Reject(request=e.request, code=e.code.value,
-                                                      detail=str(e)[:1000])))
+                                                      detail=str(e)[:1000]), term=self._term))
                 continue
             match message:
                 case Replica():
@@ -387,10 +388,10 @@ class Following:
                     self.replicas += 1
                     self._heard = self._clock.monotonic()
                     await server.send(peer, encode(Ack(request=message.request,
-                                                       version=message.version)))
+                                                       version=message.version), term=self._term))
                 case Stop():
                     await server.send(peer, encode(Ack(request=message.request,
-                                                       version=message.version)))
+                                                       version=message.version), term=self._term))
                     self._end(Ended(message))
                 case Heartbeat():
                     pass  # a worker's beat, sent before it heard that its coordinator is back
@@ -398,8 +399,14 @@ class Following:
                     await server.send(peer, encode(Reject(
                         request=message.request, code=RejectCode.NOT_YET.value,
                         detail=f"a standby of the coordinator at {self._primary}, not serving "
-                               "yet: it takes over if that coordinator is lost")))
+                               "yet: it takes over if that coordinator is lost"), term=self._term))
             del frames, message
+
+    @property
+    def _term(self) -> int:
+        """The term of the coordinator followed, on what we answer (workers drop the
+        answers of an older one)."""
+        return self._newest.term if self._newest is not None else 0
 
     def _take_first(self, replica: Replica) -> None:
         """Check the first replica now, not at a takeover, with the workers moved already."""

@@ -45,6 +45,7 @@ class Serving:
         self.host_token: HostToken | None = None
         self.segments: SegmentCache | None = None
         self._publisher: Publisher | None = None
+        self.term = 0  # this coordinator's (nodes.replication), on everything it sends
 
     def bind(self, make_publisher: MakePublisher) -> str:
         """Bind the sockets, if not done yet; return the endpoint."""
@@ -89,10 +90,10 @@ class Serving:
         return self._publisher
 
     async def reply(self, peer: bytes, message: Message) -> Tracker | None:
-        return await self.server.send(peer, encode(message))
+        return await self.server.send(peer, encode(message, term=self.term))
 
     async def publish(self, message: Message) -> None:
-        await self.server.publish(encode(message))
+        await self.server.publish(encode(message, term=self.term))
 
     def close(self) -> None:
         """Close the sockets and the token (the counts of refused handshakes go in the

@@ -20,7 +20,9 @@ import torch
 from specs import load_example
 
 from tensorbus.bus.clock import LoopClock, run_virtual
+from tensorbus.bus.codec import decode, encode
 from tensorbus.bus.memory import MemoryClient, MemoryNetwork
+from tensorbus.bus.messages import BUILD, Join, Message, Stop, Welcome
 from tensorbus.nodes import Coordinator, CoordinatorConfig, Worker, WorkerConfig
 from tensorbus.nodes.coordinator import Progress
 from tensorbus.nodes.failures import SteppedDown
@@ -348,3 +350,90 @@ def test_a_worker_cut_off_alone_goes_back_to_its_coordinator_from_the_standby() 
     assert summary["steps"] == 60 and summary["standby"]["term"] == 0
     assert [w["rank"] for w in summary["lost"]] == [0]  # removed for silence, then back
     assert reports[0].rejoins == 1 and summary["per_worker"]["0"]["joins"] == 2
+
+
+def test_a_coordinator_taken_over_while_cut_off_steps_down_at_a_worker_of_the_newer_term() -> None:
+    """A partition the standby never heals: the coordinator and its standby lose each other
+    for good (the standby's later calls do not get through either), and one worker loses
+    the coordinator too. The standby takes over (term 1) with that worker, while the
+    coordinator lives on apart with the other (async: it needs no one else). Then the
+    moved worker loses the new coordinator and goes back to the one it left: its join
+    carries term 1, and that coordinator steps down instead of welcoming it (two
+    coordinators would serve the run). Its worker, and the moved one, end on the new one."""
+    async def train(clock: LoopClock) -> tuple[Any, dict[str, Any], list[Any]]:
+        network = MemoryNetwork()
+        cut = False
+
+        def severed_after_the_cut(connect: str, **options: Any) -> MemoryClient:
+            client = network.client(connect, **options)
+            clients.append(client)
+            if cut:
+                network.sever(client)
+            return client
+
+        clients: list[MemoryClient] = []
+        kill = Cut(clock)
+        primary = _coordinator(network, clock, "async", client=severed_after_the_cut, at=kill)
+        standby = _coordinator(network, clock, "async", client=severed_after_the_cut)
+        endpoint = primary.bind()
+        running = asyncio.create_task(primary.run())
+        following = asyncio.create_task(standby.stand_by(endpoint))
+        while not primary._standbys.endpoint:
+            await asyncio.sleep(0.05)
+        moving, staying = (_worker(network, clock, endpoint, slow_s=0.2) for _ in range(2))
+
+        def partitioned() -> None:
+            nonlocal cut
+            cut = True
+            for client in (*clients, moving.links[0]._client):
+                network.sever(client)  # type: ignore[arg-type]
+
+        kill.then = partitioned
+        workers = [asyncio.create_task(w.run()) for w in (moving, staying)]
+        assert await following
+        serving = asyncio.create_task(standby.run())
+        while moving.links[0].endpoint != standby.endpoint or not moving.links[0].joined:
+            await asyncio.sleep(0.05)
+        assert primary.state.value != "stopping"  # (living on apart, with the other worker)
+        network.sever(moving.links[0]._client)  # type: ignore[arg-type]
+        old = (await asyncio.gather(running, return_exceptions=True))[0]
+        return old, await serving, await asyncio.gather(*workers)
+
+    old, summary, reports = run_virtual(train)
+    assert isinstance(old, SteppedDown) and (old.term, old.by) == (1, "worker 0")
+    assert str(old).startswith(f"stepped down at version {old.version}: worker 0 spoke for term 1")
+    assert summary["steps"] == STEPS and summary["standby"]["term"] == 1
+    assert {r.final_version for r in reports} == {STEPS}
+    # (The moved one: to the standby; then, having lost it, back and there again in one join.)
+    assert [r.rejoins for r in reports] == [2, 1]
+
+
+def test_a_newer_term_counts_only_in_a_join_that_names_the_run() -> None:
+    """A stranger's message with any term decides nothing: the coordinator welcomes its join
+    as any other. A join in a newer term that names the run's id (as a Welcome told it)
+    makes it step down: with no standby known, its workers are told to stop."""
+    async def ask(clock: LoopClock) -> tuple[Message, Message, bool, BaseException | None]:
+        network = MemoryNetwork()
+        coordinator = _coordinator(network, clock, "async")
+        endpoint = coordinator.bind()
+        running = asyncio.create_task(coordinator.run())
+        client = network.client(endpoint)
+
+        async def join(request: int, run: str) -> Message:
+            await client.send(encode(Join(request=request, term=7, run=run,
+                                          layout=coordinator.flat.layout.digest, build=BUILD)))
+            return decode(await client.recv(), layout=coordinator.flat.layout)
+
+        stranger = await join(1, "not-this-run")
+        still = not coordinator.failed
+        of_the_run = await join(2, coordinator._standbys.run_id)
+        ended = (await asyncio.gather(running, return_exceptions=True))[0]
+        return stranger, of_the_run, still, ended  # type: ignore[return-value]
+
+    stranger, of_the_run, still, ended = run_virtual(ask)
+    assert isinstance(stranger, Welcome) and stranger.term == 0 and still
+    assert isinstance(of_the_run, Stop) and of_the_run.reason == "error" and of_the_run.term == 7
+    assert isinstance(ended, SteppedDown) and (ended.term, ended.endpoint) == (7, "")
+    assert str(ended).endswith("spoke for term 7, a coordinator that took the run over while this "
+                               "one was cut off from it; the workers stop (this coordinator "
+                               "knows no standby to send them to)")

@@ -154,7 +154,7 @@ WEIGHTS = (torch.linspace(-1, 1, 6), torch.tensor([3, -4, 5], dtype=torch.int64)
 SAMPLES = {
     Kind.JOIN: Join(sender=3, request=11, version=7, rank=2, layout="0f1e2d3c4b5a6978",
                     build="0.1.0", shared="tensorbus-2-0123456789abcdef 00112233445566778899aabbccddeeff",
-                    stage=2, stages=4, inbox="tcp://127.0.0.1:40123"),
+                    stage=2, stages=4, inbox="tcp://127.0.0.1:40123", run="5f0e3a1b9c7d2e84"),
     Kind.WELCOME: Welcome(sender=COORDINATOR, request=11, version=7, rank=2, world_size=4,
                           strategy="ssp", push="weights", local_steps=3, wait="answered",
                           batch_size=32, pub_port=5556, heartbeat_s=0.25, timeout_s=12.5, lr=0.05, position=9,
@@ -162,9 +162,10 @@ SAMPLES = {
                           shared="tensorbus-1-5-0123456789abcdef 00112233445566778899aabbccddeeff",
                           seed=3, clip_grad_norm=0.5, precision="bf16-mixed", micro_batches=8,
                           schedule="gpipe", standby="tcp://10.0.0.2:5555", fragments=4, mix=0.25,
+                          run="5f0e3a1b9c7d2e84",
                           tensors=WEIGHTS),
     Kind.READY: Ready(sender=3, request=12, version=7, batches=125, unused=29),
-    Kind.PUSH: Push(sender=3, request=13, version=7, clock=41, loss=0.1, samples=64,
+    Kind.PUSH: Push(sender=3, request=13, version=7, term=2, clock=41, loss=0.1, samples=64,
                     began=1.7e9, compute_s=0.02, comm_s=0.003, wait_s=0.01, batches=14, overflows=2,
                     lrs="[0.1, 0.01]", peak_bytes=3 << 30, busy_s=0.015, span_s=0.025, held=3,
                     fragment=2, steps=5, tensors=WEIGHTS),
@@ -244,6 +245,7 @@ def test_header_is_the_documented_map():
         "s": 3,
         "r": 13,
         "v": 7,
+        "e": 2,
         "t": [["float32", [6], 24, CHUNK_BYTES], ["int64", [3], 24, CHUNK_BYTES]],
         "f": {"clock": 41, "loss": 0.1, "samples": 64, "began": 1.7e9, "compute_s": 0.02,
               "comm_s": 0.003, "wait_s": 0.01, "batches": 14, "overflows": 2,
@@ -255,13 +257,27 @@ def test_header_is_the_documented_map():
 
 @pytest.mark.parametrize(
     "envelope",
-    [(COORDINATOR, 0, 0), (0, 1, 1), (17, 12345, 99), (INT64_MAX, INT64_MAX, INT64_MAX)],
+    [(COORDINATOR, 0, 0, 0), (0, 1, 1, 1), (17, 12345, 99, 3),
+     (INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX)],
     ids=str,
 )
 def test_envelope_round_trips_including_bounds(envelope):
-    sender, request, version = envelope
-    decoded = decode(received(encode(Pull(sender=sender, request=request, version=version))))
-    assert (decoded.sender, decoded.request, decoded.version) == envelope
+    sender, request, version, term = envelope
+    decoded = decode(received(encode(Pull(sender=sender, request=request, version=version,
+                                          term=term))))
+    assert (decoded.sender, decoded.request, decoded.version, decoded.term) == envelope
+
+
+def test_a_term_given_to_encode_is_sent_in_place_of_the_message_s():
+    decoded = decode(received(encode(Pull(sender=2, term=1), term=4)))
+    assert decoded.term == 4
+
+
+def test_a_negative_term_is_refused():
+    header, payload = split(Pull(sender=2))
+    header["e"] = -1
+    with pytest.raises(MalformedHeaderError, match="field 'e' must be an integer >= 0"):
+        decode(repack(header, payload))
 
 
 def test_integer_on_a_float_field_is_taken_as_float():
@@ -418,7 +434,7 @@ def test_header_too_large():
     assert_malformed([memoryview(frame)], f"header of {MAX_HEADER_BYTES + 1} bytes")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, -1, 255, "12", None, [12]])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, -1, 255, "13", None, [13]])
 def test_wrong_protocol_version(version):
     header, payload = split(two_tensor_push())
     header["p"] = version
