@@ -8,8 +8,9 @@ lifted for this test): an update that overflows is skipped and counted, not push
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -78,13 +79,14 @@ def test_bf16_mixed_trains_as_replicas_under_autocast() -> None:
 def test_fp16_mixed_skips_and_counts_an_update_that_overflows(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Precision, "check", lambda self, device: None)
-    calls: list[Any] = []
+    calls: Counter[int] = Counter()  # a worker's losses, by its compute thread
 
     def loss(output: Tensor, target: Tensor) -> Tensor:
-        calls.append(None)
-        # The 5th and 6th losses (one a worker, as they go in turn) blow up the gradient:
-        # times fp16's scale of 2**16 it no longer fits in fp16. The loss itself is finite.
-        return digits.loss(output, target) * (1e4 if len(calls) in (5, 6) else 1.0)
+        calls[threading.get_ident()] += 1
+        # Each worker's 3rd loss blows up the gradient: times fp16's scale of 2**16 it no
+        # longer fits in fp16 (the loss itself is finite). Not the run's 5th and 6th: a worker
+        # that skips its step computes again at once, and may take the other's turn.
+        return digits.loss(output, target) * (1e4 if calls[threading.get_ident()] == 3 else 1.0)
 
     coordinator = _run("fp16-mixed", steps=6, b=8, lr=0.05, loss=loss)
     overflows = sum(w.get("overflows", 0) for w in coordinator.metrics.per_worker.values())

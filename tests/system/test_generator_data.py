@@ -50,8 +50,12 @@ def test_a_generator_function_makes_two_passes_as_a_list_does(tmp_path: Path,
     assert generated["samples"] == listed["samples"]
     calls = (tmp_path / "calls.txt").read_text().split()
     # Called anew for each epoch: twice a rank at least (a worker may begin a third pass
-    # with the batch it computes while the run ends).
-    assert all(calls.count(rank) >= 2 for rank in ("0", "1")), calls
+    # with the batch it computes while the run ends). Under async, once the run's length
+    # is known, a faster rank goes on past its two passes and a slower one makes fewer
+    # (under load, one), but the two epochs of batches take four calls at least.
+    if strategy != ["--strategy", "async"]:
+        assert all(calls.count(rank) >= 2 for rank in ("0", "1")), calls
+    assert len(calls) >= 4 and {"0", "1"} <= set(calls), calls
 
 
 def test_under_async_a_worker_far_ahead_waits_for_the_runs_length(tmp_path: Path) -> None:
