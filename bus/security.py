@@ -64,6 +64,17 @@ class ServerKeys:
     authorized: frozenset[bytes]
     directory: Path
 
+    @property
+    def admitted(self) -> frozenset[bytes]:
+        """The keys the gate lets in: the workers', and the coordinator's own, which only a
+        coordinator of this run holds (its standby, calling on it, and it on its standby)."""
+        return self.authorized | {self.public}
+
+    def as_peer(self) -> ClientKeys:
+        """The keys a coordinator calls on another of its run with (its standby's server,
+        or the coordinator a standby follows): its own pair, and that same public key."""
+        return ClientKeys(public=self.public, secret=self.secret, server_public=self.public)
+
 
 @dataclass(frozen=True)
 class ClientKeys:

@@ -234,7 +234,7 @@ class ZmqServer:
             if keys is not None:
                 # Listening before any bind: libzmq lets every CURVE key in while no ZAP
                 # handler is there.
-                self._gate = KeyGate(self._context, keys.authorized)
+                self._gate = KeyGate(self._context, keys.admitted)
             self._requests = self._socket(zmq.ROUTER, max_message_bytes)
             self._router = self._requests.socket
             # Peers without keys never reach the gate (libzmq drops them at the mechanism
@@ -360,7 +360,7 @@ class ZmqRouter:
         self._router = self._requests.socket
         try:
             if keys is not None:
-                self._gate = KeyGate(self._context, keys.authorized)  # before any bind
+                self._gate = KeyGate(self._context, keys.admitted)  # before any bind
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
             if keys is not None:

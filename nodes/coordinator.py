@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -283,6 +284,8 @@ class Coordinator:
             config.checkpoint_dir, model=model, flat=self.flat, master=self.master,
             strategy=strategy, schedule=self._schedule, length=self._length,
             buffers=self._buffers, metrics=self.metrics, watch=self.watch, clock=clock)
+        if config.keys is not None:  # (to our standby, or the coordinator we follow: ours)
+            client = functools.partial(client, keys=config.keys.as_peer())
         self._client = client
         self._standbys = Standbys(term=0, layout=self.flat.layout.digest,
                                   timeout_s=config.timeout_s, clock=clock, client=client,

@@ -158,10 +158,10 @@ def _check_standby(args: argparse.Namespace) -> None:
     split_endpoint(args.standby_of)
     unsupported = [name for name, given in (
         ("a SPEC", args.spec is None), ("--shard", args.shard is not None and args.shard[1] > 1),
-        ("--keys", args.keys is not None), ("--resume", args.resume)) if given]
+        ("--resume", args.resume)) if given]
     if unsupported:
-        raise ValueError(f"--standby-of follows one coordinator of a SPEC, without --shard, --keys "
-                         f"or --resume, and this one has {', '.join(unsupported)}: a standby of "
+        raise ValueError(f"--standby-of follows one coordinator of a SPEC, without --shard or "
+                         f"--resume, and this one has {', '.join(unsupported)}: a standby of "
                          "such runs is not built yet")
     host, _ = split_endpoint(args.bind)
     if host in ("0.0.0.0", "*", "::"):

@@ -1,7 +1,7 @@
 """System: a standby coordinator in real processes, its coordinator killed with SIGKILL.
 
 `tensorbus coordinator`, `tensorbus coordinator --standby-of` and two `tensorbus worker`s on
-loopback; the first coordinator is killed mid-run. The standby takes the run over within
+loopback, with CURVE keys; the first coordinator is killed mid-run. The standby takes the run over within
 `--timeout`, the workers move to it by themselves, and the run ends as an uninterrupted one
 (`tensorbus local` with the same options) does: the same versions, samples and final loss.
 Every strategy, and the other failures (a killed standby, a partition), in one loop on a
@@ -19,6 +19,8 @@ import pytest
 import zygote
 from cluster import ANY_PORT, LIVENESS, QUIET, ROOT, TIMEOUT_S, bound, cluster, steps
 
+from tensorbus.bus.security import make_keys
+
 pytestmark = [pytest.mark.system, pytest.mark.timeout(120)]
 
 RUN = ["--workers", "2", "--strategy", "sync", "--steps", "150", "--batch-size", "16",
@@ -32,21 +34,27 @@ def _summary(out: str) -> dict[str, Any]:
 
 
 def test_a_coordinator_killed_mid_run_is_taken_over_by_its_standby(tmp_path: Path) -> None:
+    """With CURVE keys: the standby holds the coordinator's key pair, so the workers'
+    handshakes with it pass as with the coordinator, and the two coordinators let each
+    other in by that pair."""
+    keys = tmp_path / "keys"
+    make_keys(keys)
+    secure = ["--keys", str(keys)]
     calm = zygote.shared().run(["local", str(ROOT / "examples" / "digits.py"), *RUN, "--json",
                                 "--no-progress", *QUIET], cwd=ROOT, capture_output=True,
                                text=True, timeout=100, check=False)
     assert calm.returncode == 0, calm.stderr[-2000:]
     with cluster(tmp_path) as c:
-        c.start_coordinator(*RUN)
+        c.start_coordinator(*RUN, *secure)
         standby_metrics = tmp_path / "standby.jsonl"
         standby = c._start("coordinator", str(c.spec), "--bind", ANY_PORT, "--standby-of",
                            c.endpoint, "--metrics", str(standby_metrics), "--no-progress",
-                           "--json", *LIVENESS, *QUIET, *RUN, log="standby.log")
+                           "--json", *LIVENESS, *QUIET, *RUN, *secure, log="standby.log")
         standby_at, _ = bound(standby, standby_metrics)
         # Replicated from the moment it follows: before the workers start.
         c.wait_for("the standby", lambda records: any(r["event"] == "standby" for r in records))
         for rank in range(2):
-            c.start_worker(rank)
+            c.start_worker(rank, *secure)
         c.wait_for(f"version {KILL_AT}", lambda records: len(steps(records)) >= KILL_AT)
         assert c.coordinator is not None
         c.coordinator.send_signal(signal.SIGKILL)
