@@ -423,7 +423,8 @@ class Coordinator:
         done = self._ending.begin()
         self._started_at = self._clock.monotonic()
         try:
-            if self.config.resume:
+            # (A standby that took over goes on from its replica, newer than any checkpoint.)
+            if self.config.resume and not self._former:
                 resumed = self.checkpoints.resume()
                 if resumed is not None:
                     self.version = resumed

@@ -157,12 +157,12 @@ def _check_standby(args: argparse.Namespace) -> None:
         return
     split_endpoint(args.standby_of)
     unsupported = [name for name, given in (
-        ("a SPEC", args.spec is None), ("--shard", args.shard is not None and args.shard[1] > 1),
-        ("--resume", args.resume)) if given]
+        ("a SPEC", args.spec is None), ("--shard", args.shard is not None and args.shard[1] > 1))
+        if given]
     if unsupported:
-        raise ValueError(f"--standby-of follows one coordinator of a SPEC, without --shard or "
-                         f"--resume, and this one has {', '.join(unsupported)}: a standby of "
-                         "such runs is not built yet")
+        raise ValueError(f"--standby-of follows one coordinator of a SPEC, without --shard, and "
+                         f"this one has {', '.join(unsupported)}: a standby of such runs is not "
+                         "built yet")
     host, _ = split_endpoint(args.bind)
     if host in ("0.0.0.0", "*", "::"):
         raise ValueError(f"--standby-of: --bind {args.bind} names no address workers can reach: "

@@ -78,10 +78,9 @@ def launch_local(
     the CLI's, whose process is its own; a caller of this function may hold threads or
     state a fork would copy, so it gets fresh interpreters unless it asks. `standby`: start
     a standby coordinator (run.standby) with these options, before the workers."""
-    if standby is not None and (options.colocate or options.shards > 1 or options.pipeline > 1
-                                or options.resume):
-        raise ValueError("--standby follows one central coordinator without --resume: drop "
-                         "--colocate, --shards, --pipeline and --resume, or --standby")
+    if standby is not None and (options.colocate or options.shards > 1 or options.pipeline > 1):
+        raise ValueError("--standby follows one central coordinator: drop --colocate, --shards "
+                         "and --pipeline, or --standby")
     count = torch.cuda.device_count() if device != "cpu" else 0
     devices = [resolve_device(device, rank % max(count, 1)) for rank in range(options.workers)]
     if options.precision == Precision.FP16.value and "cpu" in devices:

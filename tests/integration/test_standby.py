@@ -437,3 +437,39 @@ def test_a_newer_term_counts_only_in_a_join_that_names_the_run() -> None:
     assert str(ended).endswith("spoke for term 7, a coordinator that took the run over while this "
                                "one was cut off from it; the workers stop (this coordinator "
                                "knows no standby to send them to)")
+
+
+def test_a_resumed_run_s_standby_goes_on_from_its_replica_not_the_checkpoint(tmp_path: Any) -> None:
+    """A run resumed from a checkpoint (version 10), its standby given the same options
+    (`--resume` too): killed at version KILL_AT, the run goes on from there at the standby,
+    not from the checkpoint again."""
+    async def first(clock: LoopClock) -> dict[str, Any]:
+        network = MemoryNetwork()
+        coordinator = _coordinator(network, clock, "sync", steps=10, checkpoint_dir=tmp_path)
+        endpoint = coordinator.bind()
+        summary, *_ = await asyncio.gather(
+            coordinator.run(), *(_worker(network, clock, endpoint).run() for _ in range(2)))
+        return summary
+
+    async def resumed(clock: LoopClock) -> dict[str, Any]:
+        network = MemoryNetwork()
+        kill = Cut(clock)
+        options: dict[str, Any] = {"checkpoint_dir": tmp_path, "resume": True}
+        primary = _coordinator(network, clock, "sync", at=kill, **options)
+        standby = _coordinator(network, clock, "sync", **options)
+        endpoint = primary.bind()
+        running = asyncio.create_task(primary.run())
+        kill.then = lambda: (network.partition(endpoint), running.cancel())
+        following = asyncio.create_task(standby.stand_by(endpoint))
+        while not primary.standby:
+            await asyncio.sleep(0.05)
+        workers = [asyncio.create_task(_worker(network, clock, endpoint).run()) for _ in range(2)]
+        assert await following
+        summary = await standby.run()
+        await asyncio.gather(running, *workers, return_exceptions=True)
+        return summary
+
+    assert run_virtual(first)["steps"] == 10
+    summary = run_virtual(resumed)
+    assert summary["resumed_from"] == KILL_AT and summary["steps"] == STEPS
+    assert summary["standby"]["term"] == 1

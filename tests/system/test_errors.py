@@ -535,13 +535,13 @@ def test_lr_beside_a_spec_optimizer_is_refused_and_says_which_wins(tmp_path: Pat
         "defines optimizer(), whose own wins: set the lr there, or drop --lr")
 
 
-def test_a_standby_of_a_resumed_run_is_refused_in_one_line_before_anything_starts(
+def test_a_standby_of_a_shard_is_refused_in_one_line_before_anything_starts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """(In process: the refusal comes before the SPEC is loaded or anything binds.)"""
     assert cli.main(["coordinator", str(ROOT / "examples" / "digits.py"), "--bind",
                      "tcp://127.0.0.1:0", "--standby-of", "tcp://127.0.0.1:5555",
-                     "--workers", "2", "--resume", "--checkpoint-dir", "ckpt"]) == 2
+                     "--workers", "2", "--shard", "1/2"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "tensorbus: error: --standby-of follows one coordinator of a SPEC, without --shard or "
-        "--resume, and this one has --resume: a standby of such runs is not built yet"]
+        "tensorbus: error: --standby-of follows one coordinator of a SPEC, without --shard, and "
+        "this one has --shard: a standby of such runs is not built yet"]
