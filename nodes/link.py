@@ -225,6 +225,7 @@ class Link:
         wait = 1.0
         say_at = self._clock.monotonic() + JOIN_SAY_S  # say once that nobody answers yet
         not_yet_since: float | None = None  # a standby answered not_yet since then
+        unanswered_since: float | None = None  # no answer at all since then
         while True:
             join = Join(sender=self._owner.rank, rank=rank, layout=self.layout.digest, build=BUILD,
                         shared=self._host_token, stage=self.stage, stages=self.stages,
@@ -238,14 +239,20 @@ class Link:
                     raise HandshakeError(self.peer, problem) from None  # waiting will not mend it
                 if self._clock.monotonic() >= deadline:
                     raise PeerTimeoutError(self.peer, what, within_s, problem or "") from None
+                now = self._clock.monotonic()
+                unanswered_since = now if unanswered_since is None else unanswered_since
                 standby = self.liveness.standby
                 if standby and standby != self.endpoint:  # (it may have taken the run over)
                     await self.move_to(standby, back_to=self.endpoint)
-                elif self._moved_from and self._moved_from != self.endpoint:
-                    # The coordinator we moved to is lost too, and names no standby: the one
-                    # we left may be back. If it was taken over meanwhile, our join's newer
-                    # term makes it step down and send us on (a Stop that moves us).
+                    unanswered_since = None
+                elif (self._moved_from and self._moved_from != self.endpoint
+                      and now - unanswered_since > self.liveness.timeout_s):
+                    # The coordinator we moved to has not answered for as long as a
+                    # coordinator's timeout, and names no standby: the one we left may be
+                    # back (it has removed us by now). If it was taken over meanwhile, our
+                    # join's newer term makes it step down and send us on (a Stop that moves us).
                     await self.move_to(self._moved_from, back_to=self.endpoint)
+                    unanswered_since = None
                 if self._clock.monotonic() >= say_at:
                     say_at = math.inf
                     who = f"worker {rank}" if rank >= 0 else "a worker (any rank)"
@@ -260,6 +267,12 @@ class Link:
             except RejectedError as e:
                 if e.code == RejectCode.RANK_TAKEN.value and any_rank and rank != -1:
                     rank = -1  # our old rank went to another worker; any will do
+                    continue
+                if (e.code == RejectCode.RANK_TAKEN.value and self._moved_from
+                        and self._clock.monotonic() < deadline):
+                    # Back at a coordinator we left, which counts us still: it removes us
+                    # once we have been silent there for its timeout. Ask again until then.
+                    await asyncio.sleep(NOT_YET_S)
                     continue
                 if e.code == RejectCode.NOT_YET.value:  # a standby, about to take over?
                     now = self._clock.monotonic()
