@@ -292,6 +292,7 @@ class Coordinator:
                                   metrics=self.metrics, shared_pool=self._shared_pool)
         self._replicating: asyncio.Task[None] | None = None  # a first replica for a new standby
         self._former = ""  # as a standby that took over: the coordinator it followed
+        self._busy_since: float | None = None  # when the request being carried out came in
         self._following: Following | None = None  # as a standby, until it takes over
 
     @property
@@ -541,7 +542,14 @@ class Coordinator:
                                        f"rejected a message from {self._members.name(peer)}: {e}")
                 await self._serving.reply(peer, Reject(request=e.request, code=code.value, detail=detail))
                 continue
+            began = self._busy_since = self._clock.monotonic()
             await self._dispatch(peer, message)
+            self._busy_since = None
+            busy = self._clock.monotonic() - began
+            if busy > self.config.heartbeat_s:
+                # Not reading meanwhile (a step, a replica waited for: up to --timeout for a
+                # standby cut off), we heard nobody's beats: that is not their silence.
+                self._members.not_listening(busy)
             # Let go of the frames now, not when the next message comes: sent in-process,
             # they are the sender's memory, which it may not write until we are done.
             del frames, message
@@ -919,7 +927,8 @@ class Coordinator:
                 # Our standby hears us each beat too, whatever a step holds up meanwhile.
                 await self._serving.reply(self._standbys.peer, Heartbeat(
                     version=self.version, phase=self.state.value))
-            for member in self._members.silent(now, self.config.timeout_s):
+            busy = self._busy_since is not None and now - self._busy_since > self.config.heartbeat_s
+            for member in [] if busy else self._members.silent(now, self.config.timeout_s):
                 await self._depart(member, f"silent for {self.config.timeout_s:.1f} s: removed", lost=True)
                 await self._carry_out(self.strategy.handle(Left(member.rank, now)))
             await self._carry_out(self.strategy.handle(Tick(now)))

@@ -99,3 +99,9 @@ class Membership:
 
     def silent(self, now: float, timeout_s: float) -> list[Member]:
         return [m for m in self._by_rank.values() if now - m.last_seen > timeout_s]
+
+    def not_listening(self, seconds: float) -> None:
+        """The coordinator read nothing for `seconds` (a request it was busy with): that
+        time is not its workers' silence."""
+        for member in self._by_rank.values():
+            member.last_seen += seconds

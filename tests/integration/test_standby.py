@@ -298,7 +298,9 @@ def test_a_standby_that_does_not_take_a_replica_is_dropped_once_and_refused_afte
     started = time.monotonic()
     summary, ended = run_virtual(train)
     assert summary["steps"] == STEPS and summary["standby"]["replicated"] == KILL_AT + 1
-    assert summary["train_s"] < TIMEOUT_S + 1.0  # (one timeout in all, not one a version)
+    # One timeout in all, not one a version (25 versions after the cut: 50 s). (About
+    # TIMEOUT_S + 0.5 s unloaded; a loaded machine added up to 1.3 s of this loop's time.)
+    assert summary["train_s"] < TIMEOUT_S + 3.0
     assert isinstance(ended, FollowError)
     assert "refused this standby: unexpected: this coordinator dropped the standby at " in str(ended)
     assert time.monotonic() - started < 20
