@@ -167,7 +167,8 @@ class VersionChain:
                 # Changes on top of the torn version wait aside for the version pulled.
                 self._aside.update((c.base, c) for c in self._changes)
                 self._changes = []
-                reply = await self._link.request(Pull(sender=self._owner.rank, version=had))
+                reply = await self._link.request(Pull(sender=self._owner.rank, version=had),
+                                                 patient=True)
                 if not (isinstance(reply, Weights) and reply.tensors):
                     raise RejectedError("unexpected", f"a pull of a version past {had} "
                                                       "answered without weights")
@@ -294,7 +295,10 @@ class VersionChain:
             # Two quiet heartbeat periods, or a heartbeat announcing a version we lack: ask.
             # A Pull for what we have is answered without tensors, so asking is cheap.
             if quiet or liveness.coordinator_version > have:
-                reply = await self._link.request(Pull(sender=self._owner.rank, version=have))
+                # Patient: a coordinator that beats is there, busy (a step, a replica for its
+                # standby) rather than gone; the watchdog ends the session if it goes silent.
+                reply = await self._link.request(Pull(sender=self._owner.rank, version=have),
+                                                 patient=True)
                 if isinstance(reply, Weights) and reply.tensors:
                     self.keep_newest(reply)
 
@@ -343,7 +347,8 @@ class VersionChain:
             log.debug("worker %d missed a version after %d: pulling the whole one",
                       self._owner.rank, self.newest())
             try:
-                reply = await self._link.request(Pull(sender=self._owner.rank, version=self.newest()))
+                reply = await self._link.request(Pull(sender=self._owner.rank, version=self.newest()),
+                                                 patient=True)
             except (PeerTimeoutError, RejectedError) as e:
                 # The watchdog ends the session if the coordinator is gone; the next
                 # Changes that do not follow on ask again.
