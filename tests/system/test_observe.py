@@ -58,8 +58,12 @@ def test_the_slowed_worker_is_named_within_a_few_steps(slowed_run: dict[str, Any
     assert len(named) == 1 and f"worker {SLOW_RANK} is a straggler" in named[0], named
     verdicts = [r for r in slowed_run["records"] if r["event"] == "straggler"]
     assert [(v["rank"], v["slow"]) for v in verdicts] == [(SLOW_RANK, True)]
-    # Once its updates span the detector's 2 s: about 33 of 60 ms (judged every 0.25 s).
-    assert 28 <= verdicts[0]["clock"] <= 42, verdicts[0]
+    # Once its updates span the detector's 2 s (judged every 0.25 s): about 33 of 60 ms
+    # unloaded; fewer, each slower, on a loaded machine. Not before, and within a few more.
+    first = min(r["wall_s"] for r in slowed_run["records"]
+                if r["event"] == "worker" and r["rank"] == SLOW_RANK)
+    assert verdicts[0]["wall_s"] - first >= 2.0 - 0.05, verdicts[0]
+    assert verdicts[0]["clock"] <= 42, verdicts[0]
     assert verdicts[0]["compute_s"] >= SLOW_MS / 1000
 
 
