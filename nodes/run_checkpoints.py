@@ -110,14 +110,26 @@ class RunCheckpoints:
         log.info("resumed from %s at version %d", path, version)
         return version
 
-    def load(self, state: dict[str, Any], source: str) -> int:
-        """Load `state` (as `state()` makes it: a checkpoint's, or a standby's replica,
-        from `source`) into every part; the version it was of."""
+    def check_resume(self) -> None:
+        """Raise now what `resume` would raise (a checkpoint of another model or strategy),
+        loading nothing into the parts: a launcher asks before it starts any worker."""
+        assert self.directory is not None
+        path = checkpoint.newest(self.directory)
+        if path is not None:
+            self._check(checkpoint.load(path, layout=self._flat.layout.digest), str(path))
+
+    def _check(self, state: dict[str, Any], source: str) -> None:
         strategy = self._strategy  # (the layout is checked where the state is read)
         if state["strategy"] != strategy.name:
             raise checkpoint.CheckpointError(
                 f"{source} was written by strategy {state['strategy']}, not {strategy.name}: "
                 f"resume with --strategy {state['strategy']}, or give another --checkpoint-dir")
+
+    def load(self, state: dict[str, Any], source: str) -> int:
+        """Load `state` (as `state()` makes it: a checkpoint's, or a standby's replica,
+        from `source`) into every part; the version it was of."""
+        self._check(state, source)
+        strategy = self._strategy
         self._master.own()
         self._flat.load(state["weights"])
         if state.get("model_buffers"):  # (older checkpoints lack them)

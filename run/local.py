@@ -149,6 +149,9 @@ async def _launch(
         run = status.around(coordinators[0], run)
     standby: StandbyProcess | None = None
     training: asyncio.Task[dict[str, Any]] | None = None
+    if options.resume:  # a checkpoint refused in one line, before any worker starts
+        for coordinator in coordinators:
+            coordinator.checkpoints.check_resume()
     try:
         if standby_options is not None:
             # The coordinator runs (to take the standby's Follow) before any worker starts:
