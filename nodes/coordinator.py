@@ -272,7 +272,8 @@ class Coordinator:
                                append=config.resume, clock=clock)
         self.watch = Watch(self.metrics, trace=config.trace)
         self._serving = Serving(config, transport=transport, hub=hub, max_bytes=self._max_bytes,
-                                workers=strategy.workers, metrics=self.metrics, server=server)
+                                workers=strategy.workers, metrics=self.metrics, server=server,
+                                term=lambda: self._standbys.term)
         self._rejections = Rejections(self.metrics, clock, workers=strategy.workers)
         self._parking = Parking(self._serving.reply, metrics=self.metrics, watch=self.watch, clock=clock,
                                 wait=strategy.rhythm.wait, local_steps=strategy.local_steps)
@@ -390,7 +391,6 @@ class Coordinator:
         members = outcome.state["strategy_state"].get("members") or self.strategy.workers
         self.strategy.open_gate_at(members)
         self._standbys.term, self._standbys.run_id, self._former = outcome.term, outcome.run, primary
-        self._serving.term = outcome.term  # (on all it sends from now on)
         log.warning("took over from the coordinator at %s, silent for %.1f s: version %d, term "
                     "%d, waiting for %d worker(s) (%d replicas taken)", primary, outcome.silent_s,
                     self.version, outcome.term, self.strategy.gate, following.replicas)
@@ -406,7 +406,7 @@ class Coordinator:
             shared_pool=self._shared_pool, host_token=host_token, version=lambda: self.version,
             stopping=lambda: self._ending.stopping, buffers=self._buffers.published,
             background=lambda c: asyncio.create_task(self._guard(c)),
-            term=lambda: self._serving.term))
+            term=lambda: self._standbys.term))
 
     async def run(self, *, before_evaluate: Awaitable[Any] | None = None) -> dict[str, Any]:
         """Train until the target version, then stop the workers and return the summary.
@@ -557,7 +557,7 @@ class Coordinator:
     async def _dispatch(self, peer: bytes, message: Message) -> None:
         now = self._clock.monotonic()
         if isinstance(message, Join):
-            if message.term > self._serving.term and message.run == self._standbys.run_id:
+            if message.term > self._standbys.term and message.run == self._standbys.run_id:
                 await self._newer_term(peer, message)
                 return
             await self._join(peer, message, now)
@@ -647,7 +647,7 @@ class Coordinator:
         one was. (Only a join naming the run's id counts: a stranger's term decides nothing.)"""
         if not self._ending.stopping:
             # (Our last words in the newer term: a worker of it takes them, and moves.)
-            self._serving.term = message.term
+            self._standbys.term = message.term
             await self.fail(SteppedDown(endpoint=self._standbys.last, term=message.term,
                                         version=self.version,
                                         by=(f"worker {message.sender}" if message.sender >= 0
@@ -665,7 +665,7 @@ class Coordinator:
             return
         if message.term > self._standbys.term:
             await self._serving.reply(peer, Ack(request=message.request, version=self.version))
-            self._serving.term = message.term
+            self._standbys.term = message.term  # (our last words in it: see _newer_term)
             await self.fail(SteppedDown(endpoint=message.endpoint, term=message.term,
                                         version=self.version))
             return

@@ -92,7 +92,7 @@ class Publisher:
                 await self._publish_now()
 
     async def _publish_now(self) -> None:
-        server, version = self._server, self._version()
+        server, version, term = self._server, self._version(), self._term()
         self._metrics.broadcasts += 1
         old = self._master.snapshot
         changes = self._master.changes(version)
@@ -101,7 +101,7 @@ class Publisher:
             message: Message = Changes(version=version, base=old.version, tensors=changes,
                                        state=self._buffers())
             self._master.advance_snapshot(changes, version, self._shared_pool)
-            self._broadcast = await server.publish(encode(message, term=self._term()))
+            self._broadcast = await server.publish(encode(message, term=term))
             return
         fragment = self._master.fragment(version)
         if fragment is not None:
@@ -109,23 +109,23 @@ class Publisher:
             snapshot = self._master.take_snapshot(version)
             part = Fragment(version=version, fragment=fragment, state=self._buffers(),
                             tensors=self._master.fragments[fragment].take(snapshot.buffers))
-            self._broadcast = await tracked(snapshot, server.publish(encode(part, term=self._term())))
+            self._broadcast = await tracked(snapshot, server.publish(encode(part, term=term)))
             return
         snapshot = self._master.take_snapshot(version)
         weights = Weights(version=snapshot.version, tensors=snapshot.buffers, state=self._buffers())
         sends: list[Tracker | None] = []
         if server.wants(TOPIC_WEIGHTS):  # (made only for someone: bus.transport)
-            frames = encode(weights, term=self._term())
-            sends.append(await tracked(snapshot, server.publish(frames, TOPIC_WEIGHTS)))
+            sends.append(await tracked(snapshot, server.publish(encode(weights, term=term),
+                                                                TOPIC_WEIGHTS)))
         if self._host_token is not None and server.wants(TOPIC_SHARED):
             # For the workers of this host (bus.transport's topics): where the set lies in
             # our shared memory, and its generation, or else its bytes too.
             shared_pool = self._shared_pool
             generation = shared_pool.generation(snapshot.buffers) if shared_pool is not None else None
             frames = (encode(replace(weights, generation=generation), refer=shared_pool.locate,
-                             term=self._term())
+                             term=term)
                       if shared_pool is not None and generation is not None
-                      else encode(weights, term=self._term()))
+                      else encode(weights, term=term))
             sends.append(await tracked(snapshot, server.publish(frames, TOPIC_SHARED)))
         self._broadcast = AllDone(sends)
 

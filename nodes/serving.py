@@ -29,10 +29,12 @@ MakePublisher = Callable[[ServerTransport, HostToken | None], Publisher]
 class Serving:
     def __init__(self, config: CoordinatorConfig, *, transport: ServerFactory, hub: Hub | None,
                  max_bytes: int, workers: int, metrics: Metrics,
-                 server: ServerTransport | None = None) -> None:
+                 server: ServerTransport | None = None,
+                 term: Callable[[], int] = lambda: 0) -> None:
         """`workers`: the run's starting count (segments are kept for a few each).
         `server`: sockets bound already, to serve on (run.own_loop's, which waited on them
-        for a script's model); `config.bind` is not bound then."""
+        for a script's model); `config.bind` is not bound then. `term`: the coordinator's
+        (nodes.replication), on everything it sends."""
         self._config = config
         self._transport = transport
         self._hub = hub
@@ -45,7 +47,7 @@ class Serving:
         self.host_token: HostToken | None = None
         self.segments: SegmentCache | None = None
         self._publisher: Publisher | None = None
-        self.term = 0  # this coordinator's (nodes.replication), on everything it sends
+        self._term = term
 
     def bind(self, make_publisher: MakePublisher) -> str:
         """Bind the sockets, if not done yet; return the endpoint."""
@@ -90,10 +92,10 @@ class Serving:
         return self._publisher
 
     async def reply(self, peer: bytes, message: Message) -> Tracker | None:
-        return await self.server.send(peer, encode(message, term=self.term))
+        return await self.server.send(peer, encode(message, term=self._term()))
 
     async def publish(self, message: Message) -> None:
-        await self.server.publish(encode(message, term=self.term))
+        await self.server.publish(encode(message, term=self._term()))
 
     def close(self) -> None:
         """Close the sockets and the token (the counts of refused handshakes go in the
