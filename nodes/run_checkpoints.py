@@ -48,6 +48,8 @@ class RunCheckpoints:
         self._metrics = metrics
         self._watch = watch
         self._clock = clock
+        # The newest checkpoint as check_resume read it, (path, state), until resume takes it.
+        self._checked: tuple[Path, dict[str, Any]] | None = None
         if directory is not None:
             checkpoint.prepare(directory)
 
@@ -105,18 +107,23 @@ class RunCheckpoints:
         if path is None:
             log.warning("--resume: no checkpoint in %s yet: starting from scratch", self.directory)
             return None
-        state = checkpoint.load(path, layout=self._flat.layout.digest)
+        checked, self._checked = self._checked, None
+        state = (checked[1] if checked is not None and checked[0] == path
+                 else checkpoint.load(path, layout=self._flat.layout.digest))
         version = self.load(state, str(path))
         log.info("resumed from %s at version %d", path, version)
         return version
 
     def check_resume(self) -> None:
         """Raise now what `resume` would raise (a checkpoint of another model or strategy),
-        loading nothing into the parts: a launcher asks before it starts any worker."""
+        loading nothing into the parts: a launcher asks before it starts any worker. The
+        state read is kept for `resume`, which does not read it again."""
         assert self.directory is not None
         path = checkpoint.newest(self.directory)
         if path is not None:
-            self._check(checkpoint.load(path, layout=self._flat.layout.digest), str(path))
+            state = checkpoint.load(path, layout=self._flat.layout.digest)
+            self._check(state, str(path))
+            self._checked = (path, state)
 
     def _check(self, state: dict[str, Any], source: str) -> None:
         strategy = self._strategy  # (the layout is checked where the state is read)
