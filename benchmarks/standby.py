@@ -17,12 +17,13 @@ Writes benchmarks/results/standby.md and standby.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,63 +32,78 @@ from benchmarks.report import RESULTS, ROOT, Meta, write_json, write_markdown
 
 SPEC = str(ROOT / "benchmarks" / "mlp.py")
 START_S = 120.0  # a node's start (imports, model, binding), as a deadline
+Start = Callable[..., subprocess.Popen[str]]  # nodes(): starts `tensorbus ARGS`
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
+def records(path: Path) -> list[dict[str, Any]]:
+    """The metrics file's records so far (none before it exists)."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _wait(path: Path, event: str, process: subprocess.Popen[str]) -> dict[str, Any]:
+def wait_for(path: Path, found: Callable[[dict[str, Any]], bool],
+             process: subprocess.Popen[str], what: str) -> dict[str, Any]:
+    """The first record of `path` that `found` accepts, within START_S; an error if
+    `process` ends first."""
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
-        found = next((r for r in _records(path) if r["event"] == event), None)
-        if found is not None:
-            return found
+        record = next((r for r in records(path) if found(r)), None)
+        if record is not None:
+            return record
         if process.poll() is not None:
-            raise RuntimeError(f"a node ended ({process.returncode}) before its {event}")
-        time.sleep(0.05)
-    raise RuntimeError(f"no {event} record in {path} within {START_S:.0f} s")
+            raise RuntimeError(f"a node ended ({process.returncode}) before {what}")
+        time.sleep(0.02)
+    raise RuntimeError(f"no {what} in {path} within {START_S:.0f} s")
+
+
+@contextlib.contextmanager
+def nodes(env: dict[str, str] | None = None) -> Iterator[tuple[Path, Start]]:
+    """A temporary folder, and `start(*args)`: `tensorbus ARGS` of this checkout, its
+    stdout a pipe; every node started is killed, if still running, and reaped at the end."""
+    processes: list[subprocess.Popen[str]] = []
+    with tempfile.TemporaryDirectory() as tmp, checkout.cli() as (tensorbus, base):
+
+        def start(*args: str) -> subprocess.Popen[str]:
+            process = subprocess.Popen([*tensorbus, *args], cwd=ROOT, env={**base, **(env or {})},
+                                       text=True, stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL)
+            processes.append(process)
+            return process
+
+        try:
+            yield Path(tmp), start
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=10)
 
 
 def run(params: str, steps: int, *, standby: bool) -> dict[str, Any]:
     """One run: the coordinator's records and summary."""
     run_options = ["--workers", "2", "--strategy", "sync", "--steps", str(steps),
                    "--batch-size", "64", "--threads", "1", "--no-progress", "--log-level", "error"]
-    processes: list[subprocess.Popen[str]] = []
-    with tempfile.TemporaryDirectory() as tmp, checkout.cli() as (tensorbus, env):
-        env = {**env, "BENCH_PARAMS": params}
-
-        def start(*args: str) -> subprocess.Popen[str]:
-            process = subprocess.Popen([*tensorbus, *args], cwd=ROOT, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            processes.append(process)
-            return process
-
-        try:
-            metrics = Path(tmp) / "coordinator.jsonl"
-            coordinator = start("coordinator", SPEC, "--bind", "tcp://127.0.0.1:0", "--json",
-                                "--metrics", str(metrics), *run_options)
-            endpoint = _wait(metrics, "listening", coordinator)["endpoint"]
-            if standby:
-                start("coordinator", SPEC, "--bind", "tcp://127.0.0.1:0", "--standby-of",
-                      endpoint, "--metrics", str(Path(tmp) / "standby.jsonl"), *run_options)
-                _wait(metrics, "standby", coordinator)
-            for rank in range(2):
-                start("worker", SPEC, "--connect", endpoint, "--rank", str(rank), "--threads",
-                      "1", "--log-level", "error")
-            out, _ = coordinator.communicate(timeout=600)
-            if coordinator.returncode != 0:
-                raise RuntimeError(f"the coordinator failed ({coordinator.returncode})")
-            for process in processes:
-                process.wait(timeout=60)
-            return {"records": _records(metrics), "summary": json.loads(out[out.index("{"):])}
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=10)
+    with nodes({"BENCH_PARAMS": params}) as (tmp, start):
+        metrics = tmp / "coordinator.jsonl"
+        coordinator = start("coordinator", SPEC, "--bind", "tcp://127.0.0.1:0", "--json",
+                            "--metrics", str(metrics), *run_options)
+        endpoint = wait_for(metrics, lambda r: r["event"] == "listening", coordinator,
+                            "listening")["endpoint"]
+        others = []
+        if standby:
+            others.append(start("coordinator", SPEC, "--bind", "tcp://127.0.0.1:0",
+                                "--standby-of", endpoint, "--metrics",
+                                str(tmp / "standby.jsonl"), *run_options))
+            wait_for(metrics, lambda r: r["event"] == "standby", coordinator, "a standby")
+        others += [start("worker", SPEC, "--connect", endpoint, "--rank", str(rank),
+                         "--threads", "1", "--log-level", "error") for rank in range(2)]
+        out, _ = coordinator.communicate(timeout=600)
+        if coordinator.returncode != 0:
+            raise RuntimeError(f"the coordinator failed ({coordinator.returncode})")
+        for process in others:  # (the standby ends with the run it follows)
+            process.wait(timeout=60)
+        return {"records": records(metrics), "summary": json.loads(out[out.index("{"):])}
 
 
 def step_s(records: list[dict[str, Any]], skip: int) -> float:

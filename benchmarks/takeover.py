@@ -27,18 +27,14 @@ import argparse
 import json
 import signal
 import statistics
-import subprocess
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import checkout
 from benchmarks.report import RESULTS, ROOT, Meta, write_json, write_markdown
+from benchmarks.standby import nodes, records, wait_for
 
 SPEC = str(ROOT / "examples" / "fashion_mnist.py")
-START_S = 120.0  # a node's start (imports, data, binding), as a deadline
 STRATEGIES: dict[str, list[str]] = {
     "sync": ["--strategy", "sync"],
     "average": ["--strategy", "average", "--average-every", "4"],
@@ -48,24 +44,6 @@ STRATEGIES: dict[str, list[str]] = {
 }
 TIMEOUT_S = 2.0
 LIVENESS = ["--heartbeat", "0.2", "--timeout", str(TIMEOUT_S)]
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def _wait(path: Path, found: Any, process: subprocess.Popen[str], what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        record = next((r for r in _records(path) if found(r)), None)
-        if record is not None:
-            return record
-        if process.poll() is not None:
-            raise RuntimeError(f"a node ended ({process.returncode}) before {what}")
-        time.sleep(0.02)
-    raise RuntimeError(f"no {what} in {path} within {START_S:.0f} s")
 
 
 def _summary(out: str) -> dict[str, Any]:
@@ -79,54 +57,40 @@ def run(strategy: str, steps: int, lr: float, *, kill_at: int | None) -> dict[st
     options = ["--workers", "2", *STRATEGIES[strategy], "--steps", str(steps), "--batch-size",
                "32", "--lr", str(lr), "--threads", "1", "--no-progress", "--log-level", "error",
                *LIVENESS]
-    processes: list[subprocess.Popen[str]] = []
-    with tempfile.TemporaryDirectory() as tmp, checkout.cli() as (tensorbus, env):
-
-        def start(*args: str) -> subprocess.Popen[str]:
-            process = subprocess.Popen([*tensorbus, *args], cwd=ROOT, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            processes.append(process)
-            return process
-
-        try:
-            metrics, kept = Path(tmp) / "coordinator.jsonl", Path(tmp) / "standby.jsonl"
-            coordinator = start("coordinator", SPEC, "--bind", "tcp://127.0.0.1:0", "--json",
-                                "--metrics", str(metrics), *options)
-            endpoint = _wait(metrics, lambda r: r["event"] == "listening", coordinator,
-                             "listening")["endpoint"]
-            standby = None
-            if kill_at is not None:
-                standby = start("coordinator", SPEC, "--bind", "tcp://127.0.0.1:0", "--json",
-                                "--standby-of", endpoint, "--metrics", str(kept), *options)
-                _wait(metrics, lambda r: r["event"] == "standby", coordinator, "a standby")
-            for rank in range(2):
-                start("worker", SPEC, "--connect", endpoint, "--rank", str(rank), "--threads",
-                      "1", "--log-level", "error")
-            if standby is None:
-                out, _ = coordinator.communicate(timeout=900)
-                if coordinator.returncode != 0:
-                    raise RuntimeError(f"the coordinator failed ({coordinator.returncode})")
-                return {"summary": _summary(out)}
-            _wait(metrics, lambda r: r["event"] == "step" and r["version"] >= kill_at,
-                  coordinator, f"version {kill_at}")
-            coordinator.send_signal(signal.SIGKILL)
-            coordinator.wait(timeout=10)
-            out, _ = standby.communicate(timeout=900)
-            if standby.returncode != 0:
-                raise RuntimeError(f"the standby failed ({standby.returncode})")
-            records = _records(kept)
-            takeover = next(r for r in records if r["event"] == "takeover")
-            first = next(r for r in records if r["event"] == "step"
-                         and r["version"] == takeover["version"] + 1)
-            # (From when the standby last heard the killed one, no later than the kill, to
-            # its first new version: an upper bound, on the standby's own clock.)
-            return {"summary": _summary(out), "takeover": takeover,
-                    "first_new_s": takeover["silent_s"] + first["wall_s"] - takeover["wall_s"]}
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=10)
+    with nodes() as (tmp, start):
+        metrics, kept = tmp / "coordinator.jsonl", tmp / "standby.jsonl"
+        coordinator = start("coordinator", SPEC, "--bind", "tcp://127.0.0.1:0", "--json",
+                            "--metrics", str(metrics), *options)
+        endpoint = wait_for(metrics, lambda r: r["event"] == "listening", coordinator,
+                            "listening")["endpoint"]
+        standby = None
+        if kill_at is not None:
+            standby = start("coordinator", SPEC, "--bind", "tcp://127.0.0.1:0", "--json",
+                            "--standby-of", endpoint, "--metrics", str(kept), *options)
+            wait_for(metrics, lambda r: r["event"] == "standby", coordinator, "a standby")
+        for rank in range(2):
+            start("worker", SPEC, "--connect", endpoint, "--rank", str(rank), "--threads",
+                  "1", "--log-level", "error")
+        if standby is None:
+            out, _ = coordinator.communicate(timeout=900)
+            if coordinator.returncode != 0:
+                raise RuntimeError(f"the coordinator failed ({coordinator.returncode})")
+            return {"summary": _summary(out)}
+        wait_for(metrics, lambda r: r["event"] == "step" and r["version"] >= kill_at,
+                 coordinator, f"version {kill_at}")
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(timeout=10)
+        out, _ = standby.communicate(timeout=900)
+        if standby.returncode != 0:
+            raise RuntimeError(f"the standby failed ({standby.returncode})")
+        kept_records = records(kept)
+        takeover = next(r for r in kept_records if r["event"] == "takeover")
+        first = next(r for r in kept_records if r["event"] == "step"
+                     and r["version"] == takeover["version"] + 1)
+        # (From when the standby last heard the killed one, no later than the kill, to
+        # its first new version: an upper bound, on the standby's own clock.)
+        return {"summary": _summary(out), "takeover": takeover,
+                "first_new_s": takeover["silent_s"] + first["wall_s"] - takeover["wall_s"]}
 
 
 def _spread(values: list[float]) -> str:
