@@ -76,6 +76,18 @@ async def _version(coordinator: Coordinator, version: int) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _followed(primary: Coordinator, standby: Coordinator, endpoint: str) -> asyncio.Task[bool]:
+    """`standby` following `primary` (at `endpoint`) once `primary` names it to its workers
+    (its first replica taken): the task of its stand_by. Its failure, if it ends first."""
+    following = asyncio.create_task(standby.stand_by(endpoint))
+    while not primary.standby:
+        if following.done():
+            following.result()
+            raise AssertionError("stand_by ended before the coordinator named its standby")
+        await asyncio.sleep(0.05)
+    return following
+
+
 class Cut:
     """What a test does at version KILL_AT, and when it did it (virtual seconds)."""
 
@@ -117,9 +129,7 @@ def test_a_killed_coordinator_is_taken_over_with_no_version_lost(strategy: str) 
             running.cancel()
 
         kill.then = killed
-        following = asyncio.create_task(standby.stand_by(endpoint))
-        while not primary._standbys.endpoint:  # (it follows before the workers start)
-            await asyncio.sleep(0.05)
+        following = await _followed(primary, standby, endpoint)  # (it follows before the workers start)
         workers = [asyncio.create_task(_worker(network, clock, endpoint).run()) for _ in range(2)]
         assert await following  # taken over
         serving = asyncio.create_task(standby.run())  # (at once, as the CLI does)
@@ -171,15 +181,13 @@ def test_a_killed_standby_leaves_the_coordinator_training_without_one() -> None:
         standby = _coordinator(network, clock, "sync")
         endpoint = primary.bind()
         running = asyncio.create_task(primary.run())
-        following = asyncio.create_task(standby.stand_by(endpoint))
+        following = await _followed(primary, standby, endpoint)
 
         def killed() -> None:
             network.partition(standby.endpoint)
             following.cancel()
 
         kill.then = killed
-        while not primary._standbys.endpoint:
-            await asyncio.sleep(0.05)
         workers = [asyncio.create_task(_worker(network, clock, endpoint).run()) for _ in range(2)]
         while kill.at is None or primary._standbys.endpoint:  # dropped: a replica unanswered
             await asyncio.sleep(0.05)
@@ -215,7 +223,7 @@ def test_a_coordinator_cut_off_from_its_standby_steps_down_once_they_meet_again(
         standby = _coordinator(network, clock, "sync", client=severed_later)
         endpoint = primary.bind()
         running = asyncio.create_task(primary.run())
-        following = asyncio.create_task(standby.stand_by(endpoint))
+        following = await _followed(primary, standby, endpoint)
 
         def partitioned() -> None:  # the follower's and the replicas' links, both ways
             for client in cut:
@@ -223,8 +231,6 @@ def test_a_coordinator_cut_off_from_its_standby_steps_down_once_they_meet_again(
             standby._client = network.client  # (its call on the old one, later, gets through)
 
         kill.then = partitioned
-        while not primary._standbys.endpoint:
-            await asyncio.sleep(0.05)
         # (Steps of 0.2 s: the old one trains on past the takeover, 2 s after the cut.)
         workers = [asyncio.create_task(_worker(network, clock, endpoint, slow_s=0.2).run())
                    for _ in range(2)]
@@ -256,9 +262,7 @@ def test_a_worker_started_after_the_takeover_joins_the_standby_it_was_given() ->
         endpoint = primary.bind()
         running = asyncio.create_task(primary.run())
         kill.then = lambda: (network.partition(endpoint), running.cancel())
-        following = asyncio.create_task(standby.stand_by(endpoint))
-        while not primary.standby:
-            await asyncio.sleep(0.05)
+        following = await _followed(primary, standby, endpoint)
         first = asyncio.create_task(_worker(network, clock, endpoint, slow_s=0.2).run())
         assert await following
         serving = asyncio.create_task(standby.run())
@@ -286,9 +290,7 @@ def test_a_standby_that_does_not_take_a_replica_is_dropped_once_and_refused_afte
         standby = _coordinator(network, clock, "sync")
         endpoint = primary.bind()
         running = asyncio.create_task(primary.run())
-        following = asyncio.create_task(standby.stand_by(endpoint))
-        while not primary.standby:
-            await asyncio.sleep(0.05)
+        following = await _followed(primary, standby, endpoint)
         kill.then = lambda: network.sever(primary._standbys._client)  # type: ignore[arg-type]
         workers = [asyncio.create_task(_worker(network, clock, endpoint).run()) for _ in range(2)]
         summary = await running
@@ -312,9 +314,7 @@ def test_a_second_standby_is_refused_while_the_first_follows() -> None:
         primary = _coordinator(network, clock, "sync")
         endpoint = primary.bind()
         running = asyncio.create_task(primary.run())
-        first = asyncio.create_task(_coordinator(network, clock, "sync").stand_by(endpoint))
-        while not primary.standby:
-            await asyncio.sleep(0.05)
+        first = await _followed(primary, _coordinator(network, clock, "sync"), endpoint)
         second = (await asyncio.gather(_coordinator(network, clock, "sync").stand_by(endpoint),
                                        return_exceptions=True))[0]
         for task in (first, running):
@@ -337,9 +337,7 @@ def test_a_worker_cut_off_alone_goes_back_to_its_coordinator_from_the_standby() 
         standby = _coordinator(network, clock, "sync")
         endpoint = primary.bind()
         running = asyncio.create_task(primary.run())
-        following = asyncio.create_task(standby.stand_by(endpoint))
-        while not primary.standby:
-            await asyncio.sleep(0.05)
+        following = await _followed(primary, standby, endpoint)
         # (Steps of 0.2 s: the run lasts past the cut worker's trip to the standby and back.)
         cut = _worker(network, clock, endpoint, slow_s=0.2)
         kill.then = lambda: network.sever(cut.links[0]._client)  # type: ignore[arg-type]
@@ -383,9 +381,7 @@ def test_a_coordinator_taken_over_while_cut_off_steps_down_at_a_worker_of_the_ne
         standby = _coordinator(network, clock, "async", client=severed_after_the_cut, steps=80)
         endpoint = primary.bind()
         running = asyncio.create_task(primary.run())
-        following = asyncio.create_task(standby.stand_by(endpoint))
-        while not primary._standbys.endpoint:
-            await asyncio.sleep(0.05)
+        following = await _followed(primary, standby, endpoint)
         moving, staying = (_worker(network, clock, endpoint, slow_s=0.2) for _ in range(2))
 
         def partitioned() -> None:
@@ -466,9 +462,7 @@ def test_a_resumed_run_s_standby_goes_on_from_its_replica_not_the_checkpoint(tmp
         endpoint = primary.bind()
         running = asyncio.create_task(primary.run())
         kill.then = lambda: (network.partition(endpoint), running.cancel())
-        following = asyncio.create_task(standby.stand_by(endpoint))
-        while not primary.standby:
-            await asyncio.sleep(0.05)
+        following = await _followed(primary, standby, endpoint)
         workers = [asyncio.create_task(_worker(network, clock, endpoint).run()) for _ in range(2)]
         assert await following
         summary = await standby.run()
