@@ -78,7 +78,9 @@ class _JumpingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = super().select(0)
-        if ready or timeout == 0:
+        if ready or timeout == 0 or self._loop.has_ready():
+            # (A callback a thread has just queued, its wake-up byte not yet written, is
+            # work: time does not jump past it.)
             return ready
         if self._loop.busy_threads:
             # A thread works for the loop (to_thread): its end wakes us, and time waits.
@@ -107,6 +109,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.now
+
+    def has_ready(self) -> bool:
+        """Whether a callback waits to run (put there by another thread, say)."""
+        return bool(self._ready)  # type: ignore[attr-defined]  # (asyncio's own queue)
 
     def run_in_executor(self, executor: concurrent.futures.Executor | None,
                         func: Callable[[*Ts], T], *args: *Ts) -> asyncio.Future[T]:

@@ -100,13 +100,16 @@ def in_thread(loop: asyncio.AbstractEventLoop, thread: ComputeThread,
     from inside `work` would never be, had `work` never run."""
     ended = working(loop.create_future())  # (a virtual clock waits for it: bus.clock)
     job = thread.submit(work)
+    result = asyncio.wrap_future(job, loop=loop)
 
     def over(_: concurrent.futures.Future[_T]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
             loop.call_soon_threadsafe(resolve, ended)
 
+    # After wrap_future's own callback, which hands the result to the loop: `ended`, which
+    # a virtual clock waits for, is done only once the result is on its way.
     job.add_done_callback(over)
-    return asyncio.wrap_future(job, loop=loop), ended
+    return result, ended
 
 
 @contextlib.asynccontextmanager
