@@ -340,6 +340,10 @@ class Coordinator:
         its update: nodes.model_buffers.ServedBuffers.upstream)."""
         return self._buffers.upstream()
 
+    def versions_held(self) -> asyncio.Lock:
+        """Held (`async with`), no version is made: the one under way ends first."""
+        return self._step_lock
+
     def close(self) -> None:
         """Close the sockets of a coordinator bound and never run (`run` closes its own)."""
         if self._serving.bound:

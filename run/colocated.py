@@ -9,16 +9,15 @@ Their stderr is relayed with a `[worker R]` prefix, as `local` does.
 
 Every process holds a shard of the model, so a worker that fails or dies ends the run with
 its one-line error: the others cannot go on without its part. Ctrl-C or SIGTERM here stops
-every shard gracefully at one version (told to the others as a third line on stdin), each
-checkpointing there with --checkpoint-dir, so that `--resume` finds checkpoints that fit
-together; a second one interrupts.
+every shard gracefully at one version (told to the others as a further line on stdin, which
+each acknowledges on stdout), each checkpointing there with --checkpoint-dir, so that
+`--resume` finds checkpoints that fit together; a second one interrupts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import sys
@@ -52,6 +51,7 @@ from tensorbus.run.status import StatusTable
 
 KEY_NAME = "worker"  # the key pair `tensorbus keys` makes for workers, as `local` uses
 STARTUP_S = 120.0  # how long a worker process may take to import, build and bind
+TOLD_S = 10.0  # how long shard 0 waits for the others to acknowledge a stop's version
 T = TypeVar("T")
 
 
@@ -73,6 +73,7 @@ async def launch_colocated(
     endpoints = [node.bind()]
     children: list[Process] = []
     relays: list[asyncio.Task[None]] = []
+    shards: _Shards | None = None
     failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     try:
         for rank in range(1, options.workers):
@@ -89,12 +90,15 @@ async def launch_colocated(
             endpoints.append(await _endpoint(rank, child, failure))
         for child in children:
             _write_line(child, {"endpoints": endpoints})
+        shards = _Shards(node.coordinator, children)
+        relays += [asyncio.create_task(shards.read(rank, child))
+                   for rank, child in enumerate(children, start=1)]
         config = worker_config(options, rank=0, endpoints=endpoints, device=devices[0])
         run = node.run(config)
         if status is not None:
             run = status.around(node.coordinator, run)
         # A signal stops every shard, at one version.
-        training = asyncio.create_task(stopping_on_signals(_Shards(node.coordinator, children), run))
+        training = asyncio.create_task(stopping_on_signals(shards, run))
         either: set[asyncio.Future[Any]] = {training, failure}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if failure.done():
@@ -112,6 +116,8 @@ async def launch_colocated(
             save_model(node.model, options.save)
         return {**summary, "colocated": options.workers}
     finally:
+        if shards is not None:
+            shards.close()
         await _reap(children, timeout=0.0)
         for relay in relays:
             relay.cancel()
@@ -142,18 +148,46 @@ class _Shards:
 
     Under sync and average a worker computes on a version only once every shard has
     published it, so no shard is more than one version from this one's: the next version
-    after this shard's is one that none has passed and every one can reach (the workers
-    train on until some shard stops)."""
+    after this shard's is one that none has passed and every one can reach. Until every
+    other shard has that version to stop at (it says so on stdout), this one makes no
+    version: were it to publish the next one meanwhile, a shard not yet told could make
+    the one after (it did, on a loaded machine), and the checkpoints would not fit."""
 
     def __init__(self, own: Coordinator, children: list[Process]) -> None:
         self._own, self._children = own, children
+        self._told: dict[int, asyncio.Event] = {id(c): asyncio.Event() for c in children}
+        self._stopping: asyncio.Task[None] | None = None
 
     def request_stop(self, why: str) -> None:
-        at = self._own.version + 1
-        self._own.request_stop(why, at_version=at)
-        for child in self._children:
-            if child.returncode is None:
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._stop(why))
+
+    async def _stop(self, why: str) -> None:
+        async with self._own.versions_held():
+            at = self._own.version + 1
+            told = [c for c in self._children if c.returncode is None]
+            for child in told:
                 _write_line(child, {"stop": why, "at_version": at})
+            # (One that ends meanwhile says nothing: its relay says why the run ends.)
+            await asyncio.wait([asyncio.create_task(self._told[id(c)].wait()) for c in told],
+                               timeout=TOLD_S)
+            self._own.request_stop(why, at_version=at)
+
+    def close(self) -> None:
+        """The run is over: a stop still being told is not."""
+        if self._stopping is not None:
+            self._stopping.cancel()
+
+    async def read(self, rank: int, child: Process) -> None:
+        """Worker `rank`'s stdout after its address: its acknowledgements of a stop, and
+        what its SPEC prints (to our stderr, as its log)."""
+        assert child.stdout is not None
+        async for raw in child.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            if line.startswith('{"stopping_at"'):
+                self._told[id(child)].set()
+            else:
+                print(f"[worker {rank}] {line}", file=sys.stderr, flush=True)
 
 
 def _fatal(why: str) -> str:
@@ -242,11 +276,14 @@ async def _serve(coordinator: Coordinator, run: Awaitable[T]) -> T:
 
 def _read_stops(loop: asyncio.AbstractEventLoop, coordinator: Coordinator) -> None:
     """Hand each stop order from the launcher to the shard, until stdin closes."""
+    def stop(why: str, at_version: int) -> None:
+        coordinator.request_stop(why, at_version=at_version)
+        print(json.dumps({"stopping_at": at_version}), flush=True)  # (see _Shards)
+
     for line in sys.stdin:
         order = json.loads(line)
         try:
-            loop.call_soon_threadsafe(functools.partial(
-                coordinator.request_stop, order["stop"], at_version=order["at_version"]))
+            loop.call_soon_threadsafe(stop, order["stop"], order["at_version"])
         except RuntimeError:  # the loop is closed: the run is over
             return
 
