@@ -28,8 +28,11 @@ first replica under the step lock, a replica before each broadcast, a takeover t
 the checkpoints' parts and opens the strategy's gate). Split further, each of these would
 reach into most parts through callbacks, and the order of their effects (a step, then its
 metrics, then its replica, then its broadcast, then a stop) would no longer be read in one
-place. A relay
-(nodes.relay) holds one and gives it its next versions (nodes.next_version).
+place. So this module is about twice the size the others keep, and the class has about 40
+methods where the others have at most 25: a third of them are properties and short
+entry points of its public surface (state, endpoint, standby, place, request_stop, remove,
+fail, status, ...), the rest the steps named above. A relay (nodes.relay) holds one and
+gives it its next versions (nodes.next_version).
 """
 
 from __future__ import annotations
