@@ -17,6 +17,7 @@ each acknowledges on stdout), each checkpointing there with --checkpoint-dir, so
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -163,14 +164,26 @@ class _Shards:
             self._stopping = asyncio.get_running_loop().create_task(self._stop(why))
 
     async def _stop(self, why: str) -> None:
-        async with self._own.versions_held():
-            at = self._own.version + 1
-            told = [c for c in self._children if c.returncode is None]
-            for child in told:
-                _write_line(child, {"stop": why, "at_version": at})
-            # (One that ends meanwhile says nothing: its relay says why the run ends.)
-            await asyncio.wait([asyncio.create_task(self._told[id(c)].wait()) for c in told],
-                               timeout=TOLD_S)
+        at: int | None = None
+        try:
+            async with self._own.versions_held():
+                at = self._own.version + 1
+                told = []
+                for child in self._children:
+                    if child.returncode is None:
+                        # (One gone, or that ends meanwhile, says nothing: its relay says
+                        # why the run ends.)
+                        with contextlib.suppress(OSError, RuntimeError):
+                            _write_line(child, {"stop": why, "at_version": at})
+                            told.append(self._told[id(child)])
+                waits = [asyncio.create_task(t.wait()) for t in told]
+                try:
+                    if waits:
+                        await asyncio.wait(waits, timeout=TOLD_S)
+                finally:
+                    for wait in waits:
+                        wait.cancel()
+        finally:  # (whatever happened to the others, this shard stops)
             self._own.request_stop(why, at_version=at)
 
     def close(self) -> None:
