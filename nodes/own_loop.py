@@ -204,7 +204,11 @@ class _ScriptWorker(Worker):
         super().__init__(model=model, data=lambda *_: [], loss=_no_loss, config=config)
         self._data = _ScriptData(lambda *_: [], self.device)  # (what pushes say of it)
         self._optimizer = optimizer
-        self._lrs: list[float] = []  # its learning rates as the last push said them
+        self._lrs: list[float] = []  # its learning rates as the last compute saw them
+        self._lrs_said = ""  # (the same, as pushes say them)
+        # Each gradient set's, from the compute that filled it: read as its push is made,
+        # by when the script may have stepped its scheduler (and computed the next set).
+        self._set_lrs: dict[int, str] = {}
         self.weights_pushed = False
 
     async def _train(self, welcome: Welcome) -> None:
@@ -232,6 +236,9 @@ class _ScriptWorker(Worker):
     def _new_compute_thread(self, name: str) -> ComputeThread:
         return self._turns  # (the script's thread: see _ScriptThread)
 
+    def lrs_of(self, current: int) -> str:
+        return self._set_lrs.get(current, "")
+
     def _compute(  # type: ignore[override]
         self, latest: list[PendingVersion | None], local_steps: int, current: int,
         announce: Callable[[int], None] | None, loaded: Callable[[], object] | None = None,
@@ -257,8 +264,9 @@ class _ScriptWorker(Worker):
             self._local_steps.count += 1
         # (Where the coordinator steps: with the script's rates, its scheduler's.)
         lrs = [float(group["lr"]) for group in self._optimizer.param_groups]
-        if lrs != self._lrs:  # (said again only when a scheduler moved them)
-            self._lrs, self.lrs = lrs, json.dumps(lrs)
+        if lrs != self._lrs:  # (serialized again only when a scheduler moved them)
+            self._lrs, self._lrs_said = lrs, json.dumps(lrs)
+        self._set_lrs[current] = self._lrs_said
         if self.weights_pushed:
             outbox.fill_weights()
         else:

@@ -80,6 +80,7 @@ class _Step:
     steps: int  # the local steps it computes
     began: float  # wall clock
     started: float  # monotonic
+    current: int  # the gradient set it computes into
 
 
 @dataclass
@@ -194,7 +195,7 @@ class TrainingLoop:
             self._compute, latest, steps, current,
             functools.partial(announce, loop, ready) if terms.early else None,
             functools.partial(loop.call_soon_threadsafe, self._in_place.forget_loaded)))
-        return _Step(compute, ended, computed_on, ready, clock, steps, began, started)
+        return _Step(compute, ended, computed_on, ready, clock, steps, began, started, current)
 
     def _push(self, step: _Step, current: int) -> asyncio.Future[Answers]:
         """Each shard's part of gradient set `current`, pushed once ready, all at once."""
@@ -262,8 +263,8 @@ class TrainingLoop:
                     loss=loss, samples=samples, tensors=part, began=step.began,
                     compute_s=self._clock.monotonic() - step.started, comm_s=comm_s,
                     wait_s=wait_s, batches=self._data.length,
-                    overflows=scale.skipped if scale is not None else 0, lrs=self._worker.lrs,
-                    steps=step.steps,
+                    overflows=scale.skipped if scale is not None else 0,
+                    lrs=self._worker.lrs_of(step.current), steps=step.steps,
                     state=link.model_buffers.copy() if link.model_buffers is not None else (),
                     peak_bytes=peak_bytes(), busy_s=self._steps.busy_s,
                     span_s=self._steps.span_s, held=self._steps.held)

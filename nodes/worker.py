@@ -118,7 +118,6 @@ class Worker:
         self.clock = 0  # pushes made
         self.rejoins = 0
         self.last_loss: float | None = None
-        self.lrs = ""  # what pushes say of a script's learning rates (nodes.own_loop)
         self._push_memory = PushMemory(enabled=config.shared_memory)
         # One link a coordinator shard, each owning its range of the flat parameters (the
         # whole model when there is one coordinator).
@@ -234,6 +233,11 @@ class Worker:
         """`work(*args)` on the compute thread, so that heartbeats go on meanwhile. (Not the
         loop's default executor: closing the loop waits for its threads, with no deadline.)"""
         return working(asyncio.wrap_future(self._compute_thread.submit(work, *args)))
+
+    def lrs_of(self, current: int) -> str:  # noqa: ARG002 - a script's worker's (nodes.own_loop)
+        """What the push of gradient set `current` says of the learning rates: nothing
+        (the coordinator's own); a script's, those its step ran with."""
+        return ""
 
     def _before_join(self) -> None:
         """The Welcome's weights are loaded in place, into the model's own buffers (see

@@ -15,10 +15,12 @@ the imports already done:
   line by line; `sys.std*` made anew over them; no other file of the launcher's;
 - Python's own signal handlers; logging not set up; the global random states of torch and
   numpy drawn afresh (Python's `random` is by `os.fork`);
-- it runs MODULE as `python -m` does, then exits as an interpreter does: it waits for its
-  threads, runs its atexit handlers (which let go of its shared memory), flushes sys.std*
-  and ends with its status (but files it left open and unflushed are not flushed, and its
-  string hashes are seeded as the launcher's).
+- it runs MODULE as `python -m` does (or a script, as `python SCRIPT` does: `tensorbus
+  launch`'s, with the variables and torch threads it is given), then exits as an
+  interpreter does: it waits for its threads, runs its atexit handlers (which let go of
+  its shared memory, and see an exception that ended it in `sys.last_value`), flushes
+  sys.std* and ends with its status (but files it left open and unflushed are not
+  flushed, and its string hashes are seeded as the launcher's).
 
 A child never told (the SPEC failed to load, say) exits 0 as its pipe closes, and
 `Forks.close` reaps it. What stays shared with the launcher is what it had imported, copy
@@ -54,7 +56,9 @@ from typing import Final, Literal, NoReturn
 import numpy  # (first: the threads its OpenBLAS starts are counted in _THREADS)
 
 REAP_S: Final = 5.0  # how long an untold child may take to exit once its pipe closes
-Stdout = Literal["pipe", "stderr"]  # a child's stdout: a pipe of its own, or its stderr's
+# A child's stdout: a pipe of its own, or its stderr's; or, "inherit", its stdout and stderr
+# are the launcher's own, as a subprocess's it starts without pipes.
+Stdout = Literal["pipe", "stderr", "inherit"]
 _PR_SET_PDEATHSIG: Final = 1  # prctl options, from linux/prctl.h
 _PR_SET_NAME: Final = 15
 _TASKS = "/proc/self/task"
@@ -137,14 +141,17 @@ class Forks:
         return child
 
     async def start(self, name: str, module: str, argv: list[str], *, stdin: bool = False,
-                    stdout: Stdout = "stderr") -> Forked:
-        """The next child, told to run `python -m MODULE ARGV`: written to on stdin
-        (`Forked.stdin`) if `stdin`, else its stdin at its end; its stdout read from
+                    stdout: Stdout = "stderr", script: bool = False,
+                    environ: dict[str, str] | None = None, threads: int | None = None) -> Forked:
+        """The next child, told to run `python -m MODULE ARGV` (or `python MODULE ARGV`,
+        MODULE a `script`'s path, with `environ` set and torch's `threads`): written to on
+        stdin (`Forked.stdin`) if `stdin`, else its stdin at its end; its stdout read from
         `Forked.stdout` ("pipe"), or from `Forked.stderr` with its stderr, line by line
-        ("stderr"). Its command line stays its launcher's; `name` (15 bytes at most) is
-        what `ps -o comm` and `top` show."""
+        ("stderr"), or the launcher's own, its stderr too ("inherit"). Its command line
+        stays its launcher's; `name` (15 bytes at most) is what `ps -o comm` and `top` show."""
         child = self._waiting.pop(0)
-        orders = {"name": name, "module": module, "argv": argv, "stdout": stdout}
+        orders = {"name": name, "module": module, "argv": argv, "stdout": stdout,
+                  "script": script, "environ": environ or {}, "threads": threads}
         try:
             # One line, in the pipe at once (it holds 64 KiB; the child reads while we write).
             _write_all(child.orders, json.dumps(orders).encode() + b"\n")
@@ -155,7 +162,10 @@ class Forks:
             os.close(child.orders)
         if stdout != "pipe":
             os.close(child.stdout)
-        return await Forked.watch(child, stdin=stdin, stdout=stdout == "pipe")
+        if stdout == "inherit":
+            os.close(child.stderr)
+        return await Forked.watch(child, stdin=stdin, stdout=stdout == "pipe",
+                                  stderr=stdout != "inherit")
 
     def close(self) -> None:
         """End the children never told: each exits as its pipe closes, and is reaped here
@@ -188,7 +198,7 @@ class Forked:
     its pidfd."""
 
     def __init__(self, child: _Child, stdin: _Lines | None, stdout: asyncio.StreamReader | None,
-                 stderr: asyncio.StreamReader) -> None:
+                 stderr: asyncio.StreamReader | None) -> None:
         self.pid = child.pid
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: int | None = None
@@ -198,9 +208,10 @@ class Forked:
         self._loop.add_reader(self._pidfd, self._reap)
 
     @classmethod
-    async def watch(cls, child: _Child, *, stdin: bool, stdout: bool) -> Forked:
+    async def watch(cls, child: _Child, *, stdin: bool, stdout: bool, stderr: bool = True) -> Forked:
         return cls(child, _Lines(child.orders) if stdin else None,
-                   await _reader(child.stdout) if stdout else None, await _reader(child.stderr))
+                   await _reader(child.stdout) if stdout else None,
+                   await _reader(child.stderr) if stderr else None)
 
     def _reap(self) -> None:
         pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -278,20 +289,27 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
         told = json.loads(line)
         _prctl(_PR_SET_NAME, told["name"].encode()[:15])  # (this thread's: the process's)
         os.setsid()
-        _stdio(orders, stdout if told["stdout"] == "pipe" else stderr, stderr)
-        _as_if_fresh()
+        if told["stdout"] == "inherit":  # (the launcher's, which this process has as its own)
+            stdout, stderr = 1, 2
+        _stdio(orders, stdout if told["stdout"] != "stderr" else stderr, stderr)
+        _as_if_fresh(told["threads"])
+        os.environ.update(told["environ"])
         sys.argv = [told["module"], *told["argv"]]
-        runpy.run_module(told["module"], run_name="__main__", alter_sys=True)
+        if told["script"]:  # as `python SCRIPT` runs it, its folder first on the path
+            sys.path[0] = os.path.dirname(os.path.abspath(told["module"]))
+            runpy.run_path(told["module"], run_name="__main__")
+        else:
+            runpy.run_module(told["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:  # as the interpreter takes it: a status, or a message and 1
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
-    except KeyboardInterrupt:  # as the interpreter ends: by SIGINT itself, after its exit
-        traceback.print_exc()
+    except KeyboardInterrupt as e:  # as the interpreter ends: by SIGINT itself, after its exit
+        _uncaught(e)
         code = -signal.SIGINT
-    except BaseException:  # noqa: BLE001 - whatever it is, this process must end here
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001 - whatever it is, this process must end here
+        _uncaught(e)
     finally:
         try:
             _exit_as_an_interpreter()
@@ -300,6 +318,13 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
+
+
+def _uncaught(e: BaseException) -> None:
+    """Said, and kept where the interpreter keeps an exception that ended it (for the atexit
+    handlers to see: nodes.own_loop's tells its coordinator)."""
+    sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+    traceback.print_exc()
 
 
 def _stdio(stdin: int, stdout: int, stderr: int) -> None:
@@ -356,8 +381,9 @@ def _read_line(fd: int) -> bytes:
     return bytes(line)
 
 
-def _as_if_fresh() -> None:
-    """Undo what the launcher set up in this process that a fresh interpreter lacks."""
+def _as_if_fresh(threads: int | None = None) -> None:
+    """Undo what the launcher set up in this process that a fresh interpreter lacks;
+    `threads`: torch's, as OMP_NUM_THREADS sets them in a fresh one."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for handler in list(logging.root.handlers):  # (run.cli sets logging up for its command)
@@ -368,6 +394,10 @@ def _as_if_fresh() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()
+        if threads is not None:
+            torch.set_num_threads(threads)
+    elif threads is not None:  # (taken as torch is imported)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 async def spawn(argv: list[str]) -> asyncio.subprocess.Process:

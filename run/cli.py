@@ -45,7 +45,7 @@ from tensorbus.run import cluster, device, flags, interrupts, own_loop
 from tensorbus.run import summary as run_summary
 from tensorbus.run.export import check_writable, export, save_model
 from tensorbus.run.faults import limit_memory, memory_mb, parse_worker
-from tensorbus.run.local import LocalRunError, launch_local
+from tensorbus.run.local import LocalRunError, fork_children, launch_local
 from tensorbus.run.memory import keep_freed_memory
 from tensorbus.run.options import RunOptions, make_coordinator, same_named
 from tensorbus.run.out_of_memory import WorkerOutOfMemory, explain, is_out_of_memory
@@ -147,7 +147,15 @@ def _launch(args: argparse.Namespace) -> int:
     """`tensorbus launch SCRIPT`: a coordinator of the script's model, and N copies of it."""
     options = RunOptions.from_args(args)
     own_loop.check(options)
-    summary = own_loop.launch(args.script, options, args.script_args, threads=args.threads)
+    # Copies forked from here, torch imported (run.children); not beside GPUs, which a
+    # script may take: there, fresh interpreters, as torchrun starts.
+    forks = fork_children(options.workers, ["cpu"]) if torch.cuda.device_count() == 0 else None
+    try:
+        summary = own_loop.launch(args.script, options, args.script_args, threads=args.threads,
+                                  forks=forks)
+    finally:
+        if forks is not None:
+            forks.close()
     return _ended(args, summary)
 
 

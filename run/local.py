@@ -91,7 +91,7 @@ def launch_local(
         raise ValueError("--pipeline runs its stages on the CPU only, for now (a stage's "
                          "activations are not yet moved to and from a GPU): give --device cpu")
     # With --colocate this process is worker 0: the others are processes.
-    forks = _forks(options.workers - (1 if options.colocate else 0), devices) if fork else None
+    forks = fork_children(options.workers - (1 if options.colocate else 0), devices) if fork else None
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             if options.colocate:
@@ -113,7 +113,7 @@ def launch_local(
             forks.close()
 
 
-def _forks(count: int, devices: list[str]) -> Forks | None:
+def fork_children(count: int, devices: list[str]) -> Forks | None:
     """`count` children forked now (run.children), if that is safe here."""
     if not can_fork(devices):
         return None

@@ -15,17 +15,19 @@ of steps or epochs: those are the script's.
 with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) and TENSORBUS_COORDINATOR, and
 returns the coordinator's summary once they have all ended. With --keys, the coordinator's
 sockets take only the authorized keys, and each script is given the key directory in
-TENSORBUS_KEYS.
+TENSORBUS_KEYS. From the command line, the copies are forked from this process before it
+starts anything (run.children), with torch imported already; where that is not safe, they
+are fresh interpreters, `python SCRIPT`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,6 +49,8 @@ from tensorbus.nodes.ending import State
 from tensorbus.nodes.failures import TrainingError
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.own_loop import COORDINATOR_VARIABLE, KEYS_VARIABLE
+from tensorbus.run.children import Forks
+from tensorbus.run.local import Process
 from tensorbus.run.options import RunOptions, coordinator_config, make_strategy
 from tensorbus.strategies.base import PushKind
 
@@ -163,16 +167,28 @@ async def serve(options: RunOptions, *, bind: str, pub_port: int | None = None,
 
 
 def launch(script: str | Path, options: RunOptions, script_args: Sequence[str] = (), *,
-           bind: str = "tcp://127.0.0.1:0", threads: int | None = None) -> dict[str, Any]:
+           bind: str = "tcp://127.0.0.1:0", threads: int | None = None,
+           forks: Forks | None = None) -> dict[str, Any]:
     """Run `script` N times beside a coordinator of its model (see the module docstring);
     the coordinator's summary. A script that fails is said in its own output; the run goes
-    on without it."""
+    on without it. `forks`: N children to run the copies in (else fresh interpreters)."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(_launch(Path(script), options, list(script_args), bind, threads))
+        return runner.run(_launch(Path(script), options, list(script_args), bind, threads, forks))
+
+
+async def _start(script: Path, script_args: list[str], environ: dict[str, str],
+                 threads: int | None, forks: Forks | None, rank: int) -> Process:
+    """A copy of the script, its output the launcher's own: forked, or `python SCRIPT`."""
+    if forks is not None:
+        return await forks.start(f"tb script {rank}", str(script), script_args, stdout="inherit",
+                                 script=True, environ=environ, threads=threads)
+    return await asyncio.create_subprocess_exec(
+        sys.executable, str(script), *script_args, env={**os.environ, **environ},
+        stdin=asyncio.subprocess.DEVNULL)
 
 
 async def _launch(script: Path, options: RunOptions, script_args: list[str], bind: str,
-                  threads: int | None) -> dict[str, Any]:
+                  threads: int | None, forks: Forks | None) -> dict[str, Any]:
     at: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     coordinators: list[Coordinator] = []
     served = asyncio.ensure_future(serve(options, bind=bind, bound=at.set_result,
@@ -182,48 +198,61 @@ async def _launch(script: Path, options: RunOptions, script_args: list[str], bin
     if served.done():
         return served.result()  # (it could not bind: raises)
     endpoint = at.result()
-    environ = {**os.environ, COORDINATOR_VARIABLE: endpoint, "WORLD_SIZE": str(options.workers),
+    environ = {COORDINATOR_VARIABLE: endpoint, "WORLD_SIZE": str(options.workers),
                "LOCAL_WORLD_SIZE": str(options.workers), "MASTER_ADDR": "127.0.0.1"}
     if threads is not None:
         environ["OMP_NUM_THREADS"] = str(threads)
     if options.keys is not None:  # each script's pair: the key directory's `worker`
         environ[KEYS_VARIABLE] = str(options.keys)
-    scripts = [subprocess.Popen([sys.executable, str(script), *script_args],
-                                env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)})
-               for r in range(options.workers)]
-    watch = asyncio.ensure_future(_watch(scripts, coordinators))
+    scripts: list[Process] = []
+    watch: asyncio.Future[None] | None = None
     try:
+        for r in range(options.workers):
+            scripts.append(await _start(script, script_args, {
+                **environ, "RANK": str(r), "LOCAL_RANK": str(r)}, threads, forks, r))
+        watch = asyncio.ensure_future(_watch(scripts, coordinators))
         await asyncio.wait({served, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch.done() and not served.done():
             served.cancel()
             watch.result()  # (raises: every script ended before the run could begin)
         return await served
     finally:
-        watch.cancel()
-        for process in scripts:
-            if process.poll() is None:
+        if watch is not None:
+            watch.cancel()
+        if not served.done():
+            served.cancel()
+            await asyncio.gather(served, return_exceptions=True)
+        await _end(scripts)
+
+
+async def _end(scripts: list[Process]) -> None:
+    """Every script ended: SIGTERM to those still running, SIGKILL after 10 s."""
+    for process in scripts:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGTERM)
-        for process in scripts:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if any(process.returncode != 0 for process in scripts):
-            sweep()  # the shared memory of scripts that died: nobody else would unlink it
+    for process in scripts:
+        try:
+            await asyncio.wait_for(process.wait(), timeout=10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGKILL)
+            await process.wait()
+    if any(process.returncode != 0 for process in scripts):
+        sweep()  # the shared memory of scripts that died: nobody else would unlink it
 
 
-async def _watch(scripts: list[subprocess.Popen[bytes]], coordinators: list[Coordinator]) -> None:
+async def _watch(scripts: list[Process], coordinators: list[Coordinator]) -> None:
     """Remove a script that died from the run at once (its traceback, if any, is in its own
     output), rather than after --timeout of silence."""
     said: set[int] = set()
     while True:
         await asyncio.sleep(0.2)
-        if not coordinators and all(process.poll() is not None for process in scripts):
+        if not coordinators and all(process.returncode is not None for process in scripts):
             raise TrainingError("every script ended before any described its model (their "
                                 "output says why): does each create a DistributedOptimizer?")
         for rank, process in enumerate(scripts):
-            code = process.poll()
+            code = process.returncode
             if code not in (None, 0) and rank not in said:
                 said.add(rank)
                 why = (f"died of {signal.Signals(-code).name}" if code < 0

@@ -164,6 +164,38 @@ def test_stdout_shares_stderrs_pipe_line_by_line() -> None:
     assert lines == ["to stdout\n", "to stderr\n"]
 
 
+def test_a_script_runs_as_python_script_would_with_the_launchers_output(tmp_path: Path) -> None:
+    """`tensorbus launch`'s way (run.own_loop): a script's path, its own variables and torch
+    threads, its folder first on sys.path, the launcher's stdout and stderr; an exception
+    that ends it is its atexit handlers' sys.last_value, as in a fresh interpreter."""
+    (tmp_path / "beside.py").write_text("WHERE = 'beside'\n")
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""\
+        import atexit, os, sys, torch
+        import beside
+        atexit.register(lambda: print("at exit:", repr(getattr(sys, "last_value", None)),
+                                      file=sys.stderr, flush=True))
+        print(__name__, sys.argv[1:], os.environ["RANK"], beside.WHERE, torch.get_num_threads(),
+              flush=True)
+        raise ValueError("the script's own")
+    """))
+    launcher = _launcher(f"""
+        forks = Forks(1)
+        async def main():
+            child = await forks.start("script", {str(script)!r}, ["--flag", "x"], stdout="inherit",
+                                      script=True, environ={{"RANK": "3"}}, threads=1)
+            assert child.stdout is None and child.stderr is None
+            return await child.wait()
+        print("status", asyncio.run(main()), flush=True)
+        forks.close()
+    """)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 0, err
+    assert out.splitlines() == ["__main__ ['--flag', 'x'] 3 beside 1", "status 1"]
+    assert "ValueError: the script's own" in err
+    assert "at exit: ValueError(\"the script's own\")" in err
+
+
 def test_no_child_holds_anothers_pipes() -> None:
     """A child forked after another holds none of the launcher's ends of that one's pipes:
     the first sees its stdin end when the launcher closes it, while the second lives."""
