@@ -94,6 +94,30 @@ def _locked(path: Path, mode: int) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _untimed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The body, a wait for another test's lock, not counted in this test's timeout: its
+    timer (pytest-timeout's) starts again once the body is over. (Otherwise a unit test
+    that began just after an exclusive test asked for the machine waits out the longest
+    test under way and that one too, and times out in its setup.) Each wait is bounded
+    all the same, by the timeouts of the tests waited for."""
+    item = request.node
+    try:
+        from pytest_timeout import _get_item_settings  # noqa: PLC0415 - its settings, as it reads them
+        settings = _get_item_settings(item)
+    except (ImportError, AttributeError, TypeError):
+        settings = None
+    if settings is None or not settings.timeout or settings.func_only:
+        yield
+        return
+    hooks = item.config.pluginmanager.hook
+    hooks.pytest_timeout_cancel_timer(item=item)
+    try:
+        yield
+    finally:
+        hooks.pytest_timeout_set_timer(item=item, settings=settings)
+
+
 @pytest.fixture(autouse=True)
 def _colocated(request: pytest.FixtureRequest) -> Iterator[None]:
     """`colocated` tests run one at a time (beside any other test): each forks workers
@@ -101,7 +125,9 @@ def _colocated(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("colocated") is None:
         yield
         return
-    with _locked(_lock_folder() / "colocated", fcntl.LOCK_EX):
+    with contextlib.ExitStack() as held:
+        with _untimed(request):
+            held.enter_context(_locked(_lock_folder() / "colocated", fcntl.LOCK_EX))
         yield
 
 
@@ -112,11 +138,13 @@ def _machine(request: pytest.FixtureRequest) -> Iterator[None]:
     asked, then waits for those under way to end."""
     folder = _lock_folder()
     gate, machine = folder / "gate", folder / "machine"
-    if request.node.get_closest_marker("exclusive") is not None:
-        with _locked(gate, fcntl.LOCK_EX), _locked(machine, fcntl.LOCK_EX):
-            yield
-    else:
-        with _locked(gate, fcntl.LOCK_SH):
-            pass
-        with _locked(machine, fcntl.LOCK_SH):
-            yield
+    with contextlib.ExitStack() as held:
+        with _untimed(request):
+            if request.node.get_closest_marker("exclusive") is not None:
+                held.enter_context(_locked(gate, fcntl.LOCK_EX))
+                held.enter_context(_locked(machine, fcntl.LOCK_EX))
+            else:
+                with _locked(gate, fcntl.LOCK_SH):
+                    pass
+                held.enter_context(_locked(machine, fcntl.LOCK_SH))
+        yield
