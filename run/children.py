@@ -9,18 +9,21 @@ ZeroMQ context, no SPEC loaded, no other Python thread), and each child waits on
 its orders. Told them, a child becomes what a fresh `python -m MODULE ARGV` would be, with
 the imports already done:
 
-- its own session, so that Ctrl-C in the terminal reaches the launcher alone;
+- its own session, so that Ctrl-C in the terminal reaches the launcher alone (a script
+  stays in the launcher's process group, as a subprocess it starts would: Ctrl-C reaches
+  it too, as it would reach `python SCRIPT`);
 - stdin the rest of its orders pipe (at its end at once, unless the launcher keeps writing:
   `Forked.stdin`); stdout a pipe (`Forked.stdout`), or the stderr pipe (`Forked.stderr`)
   line by line; `sys.std*` made anew over them; no other file of the launcher's;
-- Python's own signal handlers; logging not set up; the global random states of torch and
-  numpy drawn afresh (Python's `random` is by `os.fork`);
+- Python's own signal handlers; logging not set up (the root logger's level WARNING); the
+  global random states of torch and numpy drawn afresh (Python's `random` is by `os.fork`);
 - it runs MODULE as `python -m` does (or a script, as `python SCRIPT` does: `tensorbus
   launch`'s, with the variables and torch threads it is given), then exits as an
   interpreter does: it waits for its threads, runs its atexit handlers (which let go of
-  its shared memory, and see an exception that ended it in `sys.last_value`), flushes
-  sys.std* and ends with its status (but files it left open and unflushed are not
-  flushed, and its string hashes are seeded as the launcher's).
+  its shared memory, and see an exception that ended it in `sys.last_value`), lets go of
+  a script's globals (its files left open are flushed), flushes sys.std* and ends with
+  its status (but files a module left open and unflushed are not flushed, and string
+  hashes are seeded as the launcher's: the same on every child).
 
 A child never told (the SPEC failed to load, say) exits 0 as its pipe closes, and
 `Forks.close` reaps it. What stays shared with the launcher is what it had imported, copy
@@ -39,6 +42,8 @@ import asyncio
 import atexit
 import ctypes
 import fcntl
+import gc
+import importlib.util
 import io
 import json
 import locale
@@ -271,6 +276,7 @@ def _write_all(fd: int, data: bytes) -> None:
 def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
     """A forked child's whole life: wait for its orders, run them, exit."""
     code = 1
+    script = ""  # the path of a script run as `python SCRIPT` would (else a module's run)
     try:
         # Ctrl-C in the terminal reaches the launcher's whole process group, this child
         # too until it is told (and takes a session of its own): the launcher ends it then.
@@ -288,16 +294,21 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
             os._exit(0)  # never told: the launcher gave up before starting it
         told = json.loads(line)
         _prctl(_PR_SET_NAME, told["name"].encode()[:15])  # (this thread's: the process's)
-        os.setsid()
+        if told["script"]:
+            script = os.path.abspath(told["module"])
+            # In the launcher's process group, as a subprocess it starts: Ctrl-C in the
+            # terminal reaches the script too, which ends as it would alone.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        else:
+            os.setsid()
         if told["stdout"] == "inherit":  # (the launcher's, which this process has as its own)
             stdout, stderr = 1, 2
         _stdio(orders, stdout if told["stdout"] != "stderr" else stderr, stderr)
-        _as_if_fresh(told["threads"])
+        _as_if_fresh(told["threads"], script=bool(told["script"]))
         os.environ.update(told["environ"])
         sys.argv = [told["module"], *told["argv"]]
-        if told["script"]:  # as `python SCRIPT` runs it, its folder first on the path
-            sys.path[0] = os.path.dirname(os.path.abspath(told["module"]))
-            runpy.run_path(told["module"], run_name="__main__")
+        if told["script"]:
+            _run_script(script)
         else:
             runpy.run_module(told["module"], run_name="__main__", alter_sys=True)
         code = 0
@@ -306,13 +317,13 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
     except KeyboardInterrupt as e:  # as the interpreter ends: by SIGINT itself, after its exit
-        _uncaught(e)
+        _uncaught(e, script)
         code = -signal.SIGINT
     except BaseException as e:  # noqa: BLE001 - whatever it is, this process must end here
-        _uncaught(e)
+        _uncaught(e, script)
     finally:
         try:
-            _exit_as_an_interpreter()
+            _exit_as_an_interpreter(script)
         finally:
             if code == -signal.SIGINT:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -320,11 +331,36 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
             os._exit(code)
 
 
-def _uncaught(e: BaseException) -> None:
+def _run_script(path: str) -> None:
+    """Run the script at `path` (absolute) as `python SCRIPT` does: its folder first on
+    sys.path, and its module `__main__` to the end of the process (for what pickles its
+    classes, and its atexit handlers); without a spec, as there (multiprocessing's spawn
+    then imports it again by its path)."""
+    sys.path[0] = os.path.dirname(path)
+    spec = importlib.util.spec_from_file_location("__main__", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"can't open file {path!r}")
+    main = importlib.util.module_from_spec(spec)
+    main.__spec__ = None
+    sys.modules["__main__"] = main
+    spec.loader.exec_module(main)
+
+
+def _uncaught(e: BaseException, script: str) -> None:
     """Said, and kept where the interpreter keeps an exception that ended it (for the atexit
-    handlers to see: nodes.own_loop's tells its coordinator)."""
-    sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
-    traceback.print_exc()
+    handlers to see: nodes.own_loop's tells its coordinator). A script's is said by
+    sys.excepthook, from its own first frame, as the interpreter says it."""
+    tb = e.__traceback__
+    if script:
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next
+        tb = tb or e.__traceback__  # (raised before its first line ran: a SyntaxError, say)
+        e.with_traceback(tb)  # (what sys.excepthook prints, whatever it is given)
+    sys.last_type, sys.last_value, sys.last_traceback = type(e), e, tb
+    if script:
+        sys.excepthook(type(e), e, tb)
+    else:
+        traceback.print_exception(type(e), e, tb)
 
 
 def _stdio(stdin: int, stdout: int, stderr: int) -> None:
@@ -358,13 +394,26 @@ def _close_all_but(keep: set[int]) -> None:
     os.closerange(start, os.sysconf("SC_OPEN_MAX"))
 
 
-def _exit_as_an_interpreter() -> None:
+def _exit_as_an_interpreter(script: str = "") -> None:
     """What an interpreter does at its exit that matters here, in its order: wait for
     the threads that are not daemons, run the atexit handlers (shared memory let go of),
-    flush sys.stdout and stderr. (Private functions of CPython's, as its exit calls them:
-    this child must not unwind into its launcher's frames to reach them.)"""
+    let go of a script's globals (its files still open are flushed and closed), flush
+    sys.stdout and stderr. (Private functions of CPython's, as its exit calls them: this
+    child must not unwind into its launcher's frames to reach them.)"""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+    if script:
+        main = sys.modules.get("__main__")
+        if main is not None and getattr(main, "__file__", None) == script:
+            # As the interpreter clears a module at its end: names with one underscore
+            # first, then the others, each set to None (a __del__ finds its globals so).
+            names = main.__dict__
+            for first in (True, False):
+                for name in list(names):
+                    if name != "__builtins__" and (
+                            not first or (name.startswith("_") and not name.startswith("__"))):
+                        names[name] = None
+            gc.collect()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
@@ -381,13 +430,17 @@ def _read_line(fd: int) -> bytes:
     return bytes(line)
 
 
-def _as_if_fresh(threads: int | None = None) -> None:
+def _as_if_fresh(threads: int | None = None, *, script: bool = False) -> None:
     """Undo what the launcher set up in this process that a fresh interpreter lacks;
-    `threads`: torch's, as OMP_NUM_THREADS sets them in a fresh one."""
+    `threads`: torch's, as OMP_NUM_THREADS sets them in a fresh one. A `script` (not
+    tensorbus's own command) also gets SIGUSR1's default (run.entry ignores it)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if script:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     for handler in list(logging.root.handlers):  # (run.cli sets logging up for its command)
         logging.root.removeHandler(handler)
+    logging.root.setLevel(logging.WARNING)
     # Drawn afresh from the OS's entropy, as a fresh import seeds each: workers that share
     # the launcher's would draw the same dropout masks, the same shuffles.
     numpy.random.seed()

@@ -52,6 +52,7 @@ from tensorbus.nodes.own_loop import COORDINATOR_VARIABLE, KEYS_VARIABLE
 from tensorbus.run.children import Forks
 from tensorbus.run.local import Process
 from tensorbus.run.options import RunOptions, coordinator_config, make_strategy
+from tensorbus.run.signals import die_of
 from tensorbus.strategies.base import PushKind
 
 log = logging.getLogger("tensorbus.coordinator")
@@ -59,6 +60,7 @@ log = logging.getLogger("tensorbus.coordinator")
 # The largest Describe taken: the model's initial weights ride in it (4 GiB: a billion
 # float32 parameters). Only the first is read this way; later ones go to the coordinator.
 MAX_DESCRIBE_BYTES = 1 << 32
+END_S = 10.0  # how long a script may take to end, once the run has, before it is ended
 
 
 def check(options: RunOptions) -> None:
@@ -172,8 +174,18 @@ def launch(script: str | Path, options: RunOptions, script_args: Sequence[str] =
     """Run `script` N times beside a coordinator of its model (see the module docstring);
     the coordinator's summary. A script that fails is said in its own output; the run goes
     on without it. `forks`: N children to run the copies in (else fresh interpreters)."""
+    signalled: list[signal.Signals] = []
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(_launch(Path(script), options, list(script_args), bind, threads, forks))
+        try:
+            return runner.run(_launch(Path(script), options, list(script_args), bind, threads,
+                                      forks, signalled))
+        except asyncio.CancelledError:
+            if not signalled:
+                raise
+    if signalled[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    die_of(signalled[0])  # (as `local` ends on one: by it, once all is ended)
+    raise AssertionError("unreachable")
 
 
 async def _start(script: Path, script_args: list[str], environ: dict[str, str],
@@ -187,8 +199,44 @@ async def _start(script: Path, script_args: list[str], environ: dict[str, str],
         stdin=asyncio.subprocess.DEVNULL)
 
 
+def _on_signals(signalled: list[signal.Signals]) -> Callable[[], None]:
+    """Ctrl-C or SIGTERM cancel this task, which ends the scripts and the coordinator
+    first (recorded in `signalled`); a second one acts as it would. What to undo, after."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def undo() -> None:
+        for s in signals:
+            with contextlib.suppress(RuntimeError, ValueError):
+                loop.remove_signal_handler(s)
+
+    def on(sig: signal.Signals) -> None:
+        undo()
+        signalled.append(sig)
+        task.cancel()
+
+    try:
+        for s in signals:
+            loop.add_signal_handler(s, on, s)
+    except (RuntimeError, ValueError):  # not the main thread: signals are not ours
+        undo()
+    return undo
+
+
 async def _launch(script: Path, options: RunOptions, script_args: list[str], bind: str,
-                  threads: int | None, forks: Forks | None) -> dict[str, Any]:
+                  threads: int | None, forks: Forks | None,
+                  signalled: list[signal.Signals]) -> dict[str, Any]:
+    undo = _on_signals(signalled)
+    try:
+        return await _launched(script, options, script_args, bind, threads, forks, signalled)
+    finally:
+        undo()
+
+
+async def _launched(script: Path, options: RunOptions, script_args: list[str], bind: str,
+                    threads: int | None, forks: Forks | None,
+                    signalled: list[signal.Signals]) -> dict[str, Any]:
     at: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     coordinators: list[Coordinator] = []
     served = asyncio.ensure_future(serve(options, bind=bind, bound=at.set_result,
@@ -222,18 +270,30 @@ async def _launch(script: Path, options: RunOptions, script_args: list[str], bin
         if not served.done():
             served.cancel()
             await asyncio.gather(served, return_exceptions=True)
-        await _end(scripts)
+        await _end(scripts, signalled)
 
 
-async def _end(scripts: list[Process]) -> None:
-    """Every script ended: SIGTERM to those still running, SIGKILL after 10 s."""
+async def _end(scripts: list[Process], signalled: list[signal.Signals]) -> None:
+    """Every script ended: each given END_S to end by itself (it may be writing its last
+    output, or handling Ctrl-C, which reached it too from the terminal), then SIGTERM, then
+    SIGKILL. A SIGTERM to this launcher goes on to them at once."""
+    if signalled and signalled[0] == signal.SIGTERM:
+        for process in scripts:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+    running = [asyncio.create_task(p.wait()) for p in scripts if p.returncode is None]
+    if running:
+        await asyncio.wait(running, timeout=END_S)
+        for task in running:
+            task.cancel()
     for process in scripts:
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGTERM)
     for process in scripts:
         try:
-            await asyncio.wait_for(process.wait(), timeout=10)
+            await asyncio.wait_for(process.wait(), timeout=END_S)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGKILL)
@@ -253,6 +313,10 @@ async def _watch(scripts: list[Process], coordinators: list[Coordinator]) -> Non
                                 "output says why): does each create a DistributedOptimizer?")
         for rank, process in enumerate(scripts):
             code = process.returncode
+            if code == 0 and rank not in said and coordinators:
+                # (One that left, as its end does, is no member: this one ended without.)
+                said.add(rank)
+                await coordinators[0].remove(rank, "(its script) ended without leaving the run: removed")
             if code not in (None, 0) and rank not in said:
                 said.add(rank)
                 why = (f"died of {signal.Signals(-code).name}" if code < 0

@@ -166,24 +166,35 @@ def test_stdout_shares_stderrs_pipe_line_by_line() -> None:
 
 def test_a_script_runs_as_python_script_would_with_the_launchers_output(tmp_path: Path) -> None:
     """`tensorbus launch`'s way (run.own_loop): a script's path, its own variables and torch
-    threads, its folder first on sys.path, the launcher's stdout and stderr; an exception
-    that ends it is its atexit handlers' sys.last_value, as in a fresh interpreter."""
+    threads, its folder first on sys.path and its `__file__` absolute, the launcher's stdout
+    and stderr, logging not set up; its module `__main__` to the end (an atexit handler
+    pickles its class); an exception that ends it said by sys.excepthook from the script's
+    own first frame, and its atexit handlers' sys.last_value; a file it left open, flushed."""
     (tmp_path / "beside.py").write_text("WHERE = 'beside'\n")
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""\
-        import atexit, os, sys, torch
+        import atexit, logging, os, pickle, sys, torch
         import beside
-        atexit.register(lambda: print("at exit:", repr(getattr(sys, "last_value", None)),
-                                      file=sys.stderr, flush=True))
+        class Thing:
+            pass
+        def at_exit():
+            pickle.dumps(Thing())  # (found as __main__.Thing)
+            print("at exit:", repr(getattr(sys, "last_value", None)), file=sys.stderr, flush=True)
+        atexit.register(at_exit)
         print(__name__, sys.argv[1:], os.environ["RANK"], beside.WHERE, torch.get_num_threads(),
-              flush=True)
+              os.path.isabs(__file__), logging.getLogger().level, flush=True)
+        left_open = open(os.path.join(os.path.dirname(__file__), "left_open.txt"), "w")
+        left_open.write("written, never flushed by the script")
         raise ValueError("the script's own")
     """))
     launcher = _launcher(f"""
+        import logging
+        logging.basicConfig(level=logging.DEBUG)  # (the launcher's, not the script's)
         forks = Forks(1)
         async def main():
-            child = await forks.start("script", {str(script)!r}, ["--flag", "x"], stdout="inherit",
-                                      script=True, environ={{"RANK": "3"}}, threads=1)
+            child = await forks.start("script", {str(script)!r}, ["--flag", "x"],
+                                      stdout="inherit", script=True, environ={{"RANK": "3"}},
+                                      threads=1)
             assert child.stdout is None and child.stderr is None
             return await child.wait()
         print("status", asyncio.run(main()), flush=True)
@@ -191,9 +202,12 @@ def test_a_script_runs_as_python_script_would_with_the_launchers_output(tmp_path
     """)
     out, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 0, err
-    assert out.splitlines() == ["__main__ ['--flag', 'x'] 3 beside 1", "status 1"]
+    assert out.splitlines() == ["__main__ ['--flag', 'x'] 3 beside 1 True 30", "status 1"]
+    traceback = err[err.index("Traceback"):].splitlines()
+    assert traceback[1].startswith(f'  File "{script}", line ')  # (no launcher's frame first)
     assert "ValueError: the script's own" in err
     assert "at exit: ValueError(\"the script's own\")" in err
+    assert (tmp_path / "left_open.txt").read_text() == "written, never flushed by the script"
 
 
 def test_no_child_holds_anothers_pipes() -> None:

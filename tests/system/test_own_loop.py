@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,6 +130,48 @@ def test_every_strategy_trains_the_example(tmp_path: Path, strategy: str,
         lrs = [r["lr"] for r in map(json.loads, metrics.read_text().splitlines())
                if r["event"] == "step"]
         assert sorted(lrs) == [0.05] * 92 + [0.1] * 92
+
+
+def test_ctrl_c_reaches_every_script_as_it_would_alone(tmp_path: Path) -> None:
+    """Ctrl-C in the terminal (SIGINT to the launcher's process group) reaches each script,
+    forked or not, as it reaches `python SCRIPT`: it handles its KeyboardInterrupt and runs
+    its atexit handlers; launch ends as interrupted, and nothing is left running."""
+    script = tmp_path / "forever.py"
+    script.write_text(textwrap.dedent(f"""\
+        import atexit, os, pathlib, time, torch, tensorbus
+        ctx = tensorbus.init()
+        atexit.register(lambda: print(f"rank {{ctx.rank}} at exit", flush=True))
+        model = torch.nn.Linear(4, 2)
+        optimizer = tensorbus.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+        optimizer.zero_grad(); model(torch.randn(2, 4)).sum().backward(); optimizer.step()
+        pathlib.Path({str(tmp_path)!r}, f"pid-{{ctx.rank}}").write_text(str(os.getpid()))
+        try:
+            while True:
+                optimizer.zero_grad(); model(torch.randn(2, 4)).sum().backward(); optimizer.step()
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            print(f"rank {{ctx.rank}} interrupted", flush=True)
+            raise
+    """))
+    launcher = zygote.shared().popen(["launch", str(script), "--workers", "2", *QUIET], cwd=ROOT,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids := [p.read_text() for p in tmp_path.glob("pid-*")]) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
+        os.killpg(launcher.pid, signal.SIGINT)  # (the zygote's child leads its own group)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "tensorbus: error: interrupted"
+    for rank in (0, 1):
+        assert f"rank {rank} interrupted" in out and f"rank {rank} at exit" in out, (out, err)
+    assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
 
 
 @pytest.mark.parametrize("how", ["raises", "killed"])
