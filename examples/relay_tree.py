@@ -61,7 +61,10 @@ def main() -> None:
                        evaluate=digits.evaluate,
                        config=CoordinatorConfig(batch_size=32, steps=args.steps))
     upstream = root.bind()
-    context = multiprocessing.get_context("spawn")
+    # Each node a fresh process (not a fork of this one, which holds sockets and threads),
+    # forked from a server that imported torch and tensorbus once, not each node again.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "tensorbus"])
     processes = []
     for _ in range(args.relays):
         # Port 0 cannot be told to the workers beforehand: bind a free one by hand.

@@ -67,7 +67,10 @@ def main() -> None:
                           config=CoordinatorConfig(batch_size=32, steps=args.steps))
               for i in range(args.shards)]
     endpoints = [s.bind() for s in shards]  # the workers need them all, in shard order
-    context = multiprocessing.get_context("spawn")
+    # Each node a fresh process (not a fork of this one, which holds sockets and threads),
+    # forked from a server that imported torch and tensorbus once, not each node again.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "tensorbus"])
     workers = [context.Process(target=_worker, args=(endpoints,), daemon=True)
                for _ in range(args.workers)]
     for p in workers:
