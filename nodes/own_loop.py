@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from tensorbus.bus.codec import decode, encode
-from tensorbus.bus.deadline import at_most, within
+from tensorbus.bus.deadline import at_most
 from tensorbus.bus.errors import HandshakeError, PeerTimeoutError, RejectedError
 from tensorbus.bus.layout import Compression
 from tensorbus.bus.messages import Ack, Describe, Ready, Reject, RejectCode, Welcome
@@ -454,6 +454,13 @@ async def _describe(endpoint: str, message: Describe, within_s: float,
     deadline = loop.time() + within_s
     peer = f"the coordinator at {endpoint}"
     client = ZmqClient(endpoint, max_message_bytes=1 << 20, keys=keys)
+
+    def refused() -> None:
+        problem = client.connection_problem()
+        if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM):
+            raise HandshakeError(peer, f"{problem} (a script's keys: the directory in "
+                                       f"{KEYS_VARIABLE})")
+
     try:
         frames = encode(message)
         wait = 1.0
@@ -461,15 +468,22 @@ async def _describe(endpoint: str, message: Describe, within_s: float,
             left = deadline - loop.time()
             if left <= 0:
                 raise PeerTimeoutError(peer, "describe", within_s)
-            # (The send has a deadline too: a DEALER with no peer yet blocks in send.)
-            await within(client.send(frames), left, peer=peer, waiting_for="sending describe")
+            # A DEALER with no peer blocks in send: a refused handshake is looked for
+            # meanwhile, as after a recv that timed out (or it would wait out the deadline).
+            sending = asyncio.ensure_future(client.send(frames))
+            try:
+                while not (await asyncio.wait({sending}, timeout=min(wait, left)))[0]:
+                    refused()
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise PeerTimeoutError(peer, "sending describe", within_s)
+                sending.result()
+            finally:
+                sending.cancel()
             try:
                 reply = decode(await at_most(client.recv(), min(wait, left)))
             except TimeoutError:
-                problem = client.connection_problem()
-                if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM):
-                    raise HandshakeError(peer, f"{problem} (a script's keys: the directory "
-                                               f"in {KEYS_VARIABLE})") from None
+                refused()
                 wait = min(wait * 2, 5.0)
                 continue
             if isinstance(reply, Reject):
