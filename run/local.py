@@ -90,8 +90,10 @@ def launch_local(
     if options.pipeline > 1 and any(d != "cpu" for d in devices):
         raise ValueError("--pipeline runs its stages on the CPU only, for now (a stage's "
                          "activations are not yet moved to and from a GPU): give --device cpu")
-    # With --colocate this process is worker 0: the others are processes.
-    forks = fork_children(options.workers - (1 if options.colocate else 0), devices) if fork else None
+    # With --colocate this process is worker 0: the others are processes; a standby is one
+    # process more.
+    processes = options.workers - (1 if options.colocate else 0) + (1 if standby is not None else 0)
+    forks = fork_children(processes, devices) if fork else None
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             if options.colocate:
@@ -158,7 +160,7 @@ async def _launch(
             # every version, the first too, is the standby's.
             training = asyncio.create_task(stopping_on_signals(coordinators, run))
             standby = await StandbyProcess.start(standby_options, coordinators[0],
-                                                 within_s=options.join_timeout_s)
+                                                 within_s=options.join_timeout_s, forks=forks)
         for rank in range(options.workers):
             extra = [f"--fault={f}" for f in faults.get(rank, [])]
             if options.keys is not None:
