@@ -204,10 +204,8 @@ class _ScriptWorker(Worker):
         super().__init__(model=model, data=lambda *_: [], loss=_no_loss, config=config)
         self._data = _ScriptData(lambda *_: [], self.device)  # (what pushes say of it)
         self._optimizer = optimizer
-        self._lrs: list[float] = []  # its learning rates as the last compute saw them
-        self._lrs_said = ""  # (the same, as pushes say them)
-        # Each gradient set's, from the compute that filled it: read as its push is made,
-        # by when the script may have stepped its scheduler (and computed the next set).
+        # Each gradient set's learning rates, from the compute that filled it: read as its
+        # push is made, by when the script may have stepped its scheduler (and computed on).
         self._set_lrs: dict[int, str] = {}
         self.weights_pushed = False
 
@@ -263,10 +261,7 @@ class _ScriptWorker(Worker):
             samples += self._turns.samples
             self._local_steps.count += 1
         # (Where the coordinator steps: with the script's rates, its scheduler's.)
-        lrs = [float(group["lr"]) for group in self._optimizer.param_groups]
-        if lrs != self._lrs:  # (serialized again only when a scheduler moved them)
-            self._lrs, self._lrs_said = lrs, json.dumps(lrs)
-        self._set_lrs[current] = self._lrs_said
+        self._set_lrs[current] = json.dumps([float(g["lr"]) for g in self._optimizer.param_groups])
         if self.weights_pushed:
             outbox.fill_weights()
         else:
@@ -459,7 +454,7 @@ async def _describe(endpoint: str, message: Describe, within_s: float,
         problem = client.connection_problem()
         if problem in (HANDSHAKE_REFUSED, HANDSHAKE_MECHANISM):
             raise HandshakeError(peer, f"{problem} (a script's keys: the directory in "
-                                       f"{KEYS_VARIABLE})")
+                                       f"{KEYS_VARIABLE})") from None
 
     try:
         frames = encode(message)
@@ -468,19 +463,10 @@ async def _describe(endpoint: str, message: Describe, within_s: float,
             left = deadline - loop.time()
             if left <= 0:
                 raise PeerTimeoutError(peer, "describe", within_s)
-            # A DEALER with no peer blocks in send: a refused handshake is looked for
-            # meanwhile, as after a recv that timed out (or it would wait out the deadline).
-            sending = asyncio.ensure_future(client.send(frames))
             try:
-                while not (await asyncio.wait({sending}, timeout=min(wait, left)))[0]:
-                    refused()
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        raise PeerTimeoutError(peer, "sending describe", within_s)
-                sending.result()
-            finally:
-                sending.cancel()
-            try:
+                # (The send too: a DEALER with no peer blocks in it, as once a refused
+                # handshake has dropped its connection. A send cut short sent nothing.)
+                await at_most(client.send(frames), min(wait, left))
                 reply = decode(await at_most(client.recv(), min(wait, left)))
             except TimeoutError:
                 refused()

@@ -294,11 +294,9 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
             os._exit(0)  # never told: the launcher gave up before starting it
         told = json.loads(line)
         _prctl(_PR_SET_NAME, told["name"].encode()[:15])  # (this thread's: the process's)
-        if told["script"]:
+        if told["script"]:  # (in the launcher's process group, as a subprocess it starts:
+            # Ctrl-C in the terminal reaches the script too, as it would reach it alone)
             script = os.path.abspath(told["module"])
-            # In the launcher's process group, as a subprocess it starts: Ctrl-C in the
-            # terminal reaches the script too, which ends as it would alone.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         else:
             os.setsid()
         if told["stdout"] == "inherit":  # (the launcher's, which this process has as its own)
@@ -357,10 +355,7 @@ def _uncaught(e: BaseException, script: str) -> None:
         tb = tb or e.__traceback__  # (raised before its first line ran: a SyntaxError, say)
         e.with_traceback(tb)  # (what sys.excepthook prints, whatever it is given)
     sys.last_type, sys.last_value, sys.last_traceback = type(e), e, tb
-    if script:
-        sys.excepthook(type(e), e, tb)
-    else:
-        traceback.print_exception(type(e), e, tb)
+    (sys.excepthook if script else traceback.print_exception)(type(e), e, tb)
 
 
 def _stdio(stdin: int, stdout: int, stderr: int) -> None:
@@ -408,11 +403,10 @@ def _exit_as_an_interpreter(script: str = "") -> None:
             # As the interpreter clears a module at its end: names with one underscore
             # first, then the others, each set to None (a __del__ finds its globals so).
             names = main.__dict__
-            for first in (True, False):
-                for name in list(names):
-                    if name != "__builtins__" and (
-                            not first or (name.startswith("_") and not name.startswith("__"))):
-                        names[name] = None
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            for name in [*private, *(n for n in names if n not in private)]:
+                if name != "__builtins__":
+                    names[name] = None
             gc.collect()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:

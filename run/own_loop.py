@@ -267,10 +267,11 @@ async def _launched(script: Path, options: RunOptions, script_args: list[str], b
     finally:
         if watch is not None:
             watch.cancel()
+        # The scripts first: one ending on Ctrl-C leaves the run, which needs its coordinator.
+        await _end(scripts, signalled)
         if not served.done():
             served.cancel()
             await asyncio.gather(served, return_exceptions=True)
-        await _end(scripts, signalled)
 
 
 async def _end(scripts: list[Process], signalled: list[signal.Signals]) -> None:
@@ -278,28 +279,26 @@ async def _end(scripts: list[Process], signalled: list[signal.Signals]) -> None:
     output, or handling Ctrl-C, which reached it too from the terminal), then SIGTERM, then
     SIGKILL. A SIGTERM to this launcher goes on to them at once."""
     if signalled and signalled[0] == signal.SIGTERM:
-        for process in scripts:
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)
-    running = [asyncio.create_task(p.wait()) for p in scripts if p.returncode is None]
-    if running:
+        _signal(scripts, signal.SIGTERM)
+    for then in (signal.SIGTERM, signal.SIGKILL, None):
+        running = [asyncio.create_task(p.wait()) for p in scripts if p.returncode is None]
+        if not running:
+            break
         await asyncio.wait(running, timeout=END_S)
         for task in running:
             task.cancel()
+        if then is not None:
+            _signal(scripts, then)
+    if any(process.returncode != 0 for process in scripts):
+        sweep()  # the shared memory of scripts that died: nobody else would unlink it
+
+
+def _signal(scripts: list[Process], sig: signal.Signals) -> None:
+    """`sig` to each script still running."""
     for process in scripts:
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-    for process in scripts:
-        try:
-            await asyncio.wait_for(process.wait(), timeout=END_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGKILL)
-            await process.wait()
-    if any(process.returncode != 0 for process in scripts):
-        sweep()  # the shared memory of scripts that died: nobody else would unlink it
+                process.send_signal(sig)
 
 
 async def _watch(scripts: list[Process], coordinators: list[Coordinator]) -> None:

@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import Final
 
+from tensorbus.bus.deadline import at_most
 from tensorbus.nodes.coordinator import Coordinator
 from tensorbus.run.children import Forked, Forks, spawn
 
@@ -70,7 +71,8 @@ class StandbyProcess:
         """Wait up to `within_s` for it to end by itself, then end it; its exit status."""
         process = self.process
         if process.returncode is None:
-            await asyncio.wait({asyncio.create_task(process.wait())}, timeout=within_s)
+            with contextlib.suppress(TimeoutError):
+                await at_most(process.wait(), within_s)
         if process.returncode is None:
             log.warning("the standby did not end with the run: ending it")
             with contextlib.suppress(ProcessLookupError):
