@@ -261,7 +261,6 @@ async def _launched(script: Path, options: RunOptions, script_args: list[str], b
         watch = asyncio.ensure_future(_watch(scripts, coordinators))
         await asyncio.wait({served, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch.done() and not served.done():
-            served.cancel()
             watch.result()  # (raises: every script ended before the run could begin)
         return await served
     finally:
@@ -323,6 +322,11 @@ async def _watch(scripts: list[Process], coordinators: list[Coordinator]) -> Non
                 if coordinators and await coordinators[0].remove(rank, f"(its script) {why}: removed"):
                     continue
                 if not coordinators or coordinators[0].state is State.STARTING:
-                    raise TrainingError(
+                    failure = TrainingError(
                         f"the script of rank {rank} {why} before it joined (its output says "
                         f"why): the run cannot start with {len(scripts)} workers")
+                    if not coordinators:
+                        raise failure
+                    # Said to the scripts that joined, which end at once, as the run does.
+                    await coordinators[0].fail(failure)
+                    return
