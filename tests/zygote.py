@@ -8,7 +8,8 @@ exit as an interpreter's: run.children does the same for `tensorbus local`'s wor
 runs the command. Its pid and, when it ends, its exit status come back over a Unix socket.
 
 `Zygote.popen` and `Zygote.run` take what `subprocess.Popen` and `subprocess.run` take for
-`[sys.executable, "-m", "tensorbus", *argv]` (or `-c CODE`), and give what they give.
+`[sys.executable, "-m", "tensorbus", *argv]` (or `-c CODE`, or `SCRIPT`: run as
+`tensorbus launch` runs one, run.children), and give what they give.
 Tests that are about a fresh interpreter itself (installing, the interrupt of an import)
 start one.
 
@@ -131,8 +132,9 @@ class Zygote:
     def popen(self, argv: Sequence[str], *, cwd: str | Path = ROOT,
               env: Mapping[str, str] | None = None, stdin: Any = subprocess.DEVNULL,
               stdout: Any = None, stderr: Any = None, text: bool = False,
-              code: str | None = None) -> Forked:
-        """`python -m tensorbus ARGV` (with `code`: `python -c CODE ARGV`), forked."""
+              code: str | None = None, script: str | Path | None = None) -> Forked:
+        """`python -m tensorbus ARGV` (with `code`: `python -c CODE ARGV`; with `script`:
+        `python SCRIPT ARGV`), forked."""
         ours: list[int] = []  # the child's ends of pipes made here, closed once sent
         mine: dict[str, IO[Any] | None] = {}
 
@@ -160,6 +162,7 @@ class Zygote:
         if fds[2] == -1:
             fds[2] = fds[1]
         order = {"argv": list(argv), "cwd": str(cwd), "code": code,
+                 "script": None if script is None else os.path.abspath(script),
                  "env": dict(os.environ if env is None else env)}
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -174,10 +177,12 @@ class Zygote:
             env: Mapping[str, str] | None = None, timeout: float | None = None,
             input: str | bytes | None = None, capture_output: bool = False,
             text: bool = False, check: bool = False, code: str | None = None,
+            script: str | Path | None = None,
             stdin: Any = subprocess.DEVNULL) -> subprocess.CompletedProcess[Any]:
         pipe = subprocess.PIPE if capture_output else None
         process = self.popen(argv, cwd=cwd, env=env, stdout=pipe, stderr=pipe, text=text,
-                             code=code, stdin=subprocess.PIPE if input is not None else stdin)
+                             code=code, script=script,
+                             stdin=subprocess.PIPE if input is not None else stdin)
         try:
             out, err = process.communicate(input, timeout)
         except subprocess.TimeoutExpired:
@@ -311,6 +316,7 @@ def _child(order: dict[str, Any], fds: list[int]) -> None:
     from tensorbus.run import children
 
     code = 1
+    script = order.get("script") or ""
     try:
         os.setsid()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -319,9 +325,12 @@ def _child(order: dict[str, Any], fds: list[int]) -> None:
         os.chdir(order["cwd"])
         os.environ.clear()
         os.environ.update(order["env"])
-        children._as_if_fresh()
+        children._as_if_fresh(script=bool(script))
         sys.path[0] = ""  # as `-m` and `-c` have it: the working folder
-        if order["code"] is not None:
+        if script:
+            sys.argv = [script, *order["argv"]]
+            children._run_script(script)
+        elif order["code"] is not None:
             sys.argv = ["-c", *order["argv"]]
             exec(compile(order["code"], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
         else:
@@ -334,18 +343,14 @@ def _child(order: dict[str, Any], fds: list[int]) -> None:
         code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
-    except KeyboardInterrupt:
-        import traceback
-
-        traceback.print_exc()
+    except KeyboardInterrupt as e:
+        children._uncaught(e, script)
         code = -signal.SIGINT
-    except BaseException:  # noqa: BLE001 - whatever it is, this process must end here
-        import traceback
-
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001 - whatever it is, this process must end here
+        children._uncaught(e, script)
     finally:
         try:
-            children._exit_as_an_interpreter()
+            children._exit_as_an_interpreter(script)
         finally:
             if code == -signal.SIGINT:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -26,6 +26,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+import zygote
 
 from tensorbus.bus.codec import CHUNK_BYTES, MAX_TENSORS, decode, encode
 from tensorbus.bus.errors import (
@@ -417,9 +418,9 @@ def test_with_curve_keys_only_authorized_ranks_get_in(tmp_path: Path) -> None:
 @pytest.mark.parametrize("size", [2, 3])
 def test_processes_get_what_gloo_computes_on_the_same_inputs(size: int, tmp_path: Path) -> None:
     ports = [str(free_port()), str(free_port())]
-    ranks = [subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "collectives_peer.py"), str(r), str(size), *ports,
-         str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks = [zygote.shared().popen(
+        [str(r), str(size), *ports, str(tmp_path)], script=ROOT / "tests" / "collectives_peer.py",
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(size)]
     try:
         outputs = [rank.communicate(timeout=50)[0] for rank in ranks]

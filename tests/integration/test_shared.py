@@ -18,7 +18,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+import zygote
 from test_fold import LR, _model, _worker
 from torch import nn
 
@@ -95,8 +95,8 @@ def test_the_receivers_mapping_is_read_only() -> None:
         "shm = SharedAllocator(); (g,) = shm.allocate([(16, torch.float32)])\n"
         "view = SegmentCache().view(shm.locate(g), 64, torch.float32)\n"
         "print('mapped', flush=True)\nview.add_(1.0)\nprint('wrote', flush=True)\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=60, cwd=Path(__file__).resolve().parents[2], check=False)
+    done = zygote.shared().run([], code=program, capture_output=True, text=True, timeout=60,
+                               cwd=Path(__file__).resolve().parents[2])
     assert "mapped" in done.stdout and "wrote" not in done.stdout
     assert done.returncode == -signal.SIGSEGV
 
@@ -142,8 +142,7 @@ def test_a_killed_creators_segment_is_unlinked_by_the_next_sweep() -> None:
         "import os, signal, sys, torch\nfrom tensorbus.bus.shared import SharedAllocator\n"
         "shm = SharedAllocator(); (g,) = shm.allocate([(1 << 20, torch.float32)])\n"
         "print(shm.locate(g)[0], flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = zygote.shared().run([], code=program, capture_output=True, text=True, timeout=60)
     assert done.returncode == -signal.SIGKILL
     path = ROOT / done.stdout.strip()
     assert not creator_alive(path.name)

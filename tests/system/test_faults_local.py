@@ -27,8 +27,8 @@ pytestmark = pytest.mark.timeout(150)
 # Each with versions enough to go on for a few seconds after the loss is noticed (async
 # makes a version of every gradient).
 STRATEGIES = {
-    "sync": ["--strategy", "sync", "--steps", "200"],
-    "async": ["--strategy", "async", "--steps", "800"],
+    "sync": ["--strategy", "sync", "--steps", "120"],
+    "async": ["--strategy", "async", "--steps", "500"],
 }
 
 

@@ -105,8 +105,8 @@ def test_what_a_worker_prints_is_relayed(tmp_path: Path, started: str) -> None:
         api = ("import json, sys; from tensorbus.run import launch_local; from tensorbus.run.options import "
                "RunOptions; print(json.dumps(launch_local(sys.argv[1], RunOptions("
                "workers=2, steps=2), threads=1)))")
-        result = subprocess.run([sys.executable, "-c", api, str(spec)], cwd=ROOT, text=True,
-                                capture_output=True, timeout=120, check=False)
+        result = zygote.shared().run([str(spec)], code=api, cwd=ROOT, text=True,
+                                     capture_output=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["steps"] == 2
     for rank in range(2):

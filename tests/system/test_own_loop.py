@@ -239,9 +239,9 @@ def test_a_lost_coordinator_makes_step_raise_after_the_reconnect_deadline(tmp_pa
                       "--timeout", "1") as (coordinator, endpoint, log):
         environ = {**os.environ, "TENSORBUS_COORDINATOR": endpoint, "WORLD_SIZE": "2",
                    "OMP_NUM_THREADS": "1"}
-        scripts = [subprocess.Popen([sys.executable, str(script), "--epochs", "1000"], cwd=ROOT,
-                                    env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        scripts = [zygote.shared().popen(["--epochs", "1000"], script=script, cwd=ROOT,
+                                         env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                    for r in range(2)]
         try:
             deadline = time.monotonic() + 60
@@ -312,15 +312,15 @@ def test_with_keys_only_a_script_with_the_run_s_keys_gets_in(tmp_path: Path) -> 
         environ = {k: v for k, v in os.environ.items() if not k.startswith("TENSORBUS_")}
         environ.update(TENSORBUS_COORDINATOR=endpoint, RANK="0", WORLD_SIZE="1",
                        OMP_NUM_THREADS="1")
-        plain = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=environ,
-                               capture_output=True, text=True, timeout=60, check=False)
+        plain = zygote.shared().run([], script=script, cwd=ROOT, env=environ,
+                                    capture_output=True, text=True, timeout=60)
         assert plain.returncode != 0
         assert "HandshakeError" in plain.stderr, plain.stderr[-2000:]
         assert "one side uses CURVE keys and the other does not" in plain.stderr
         assert "(a script's keys: the directory in TENSORBUS_KEYS)" in plain.stderr
-        keyed = subprocess.run([sys.executable, str(script)], cwd=ROOT,
-                               env={**environ, "TENSORBUS_KEYS": str(keys)},
-                               capture_output=True, text=True, timeout=60, check=False)
+        keyed = zygote.shared().run([], script=script, cwd=ROOT,
+                                    env={**environ, "TENSORBUS_KEYS": str(keys)},
+                                    capture_output=True, text=True, timeout=60)
         assert keyed.returncode == 0, keyed.stderr[-2000:]
         out, _ = coordinator.communicate(timeout=30)
     assert coordinator.returncode == 0, log.read_text()

@@ -252,16 +252,15 @@ def test_runs_without_evals_or_telemetry_still_plot(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_two_real_runs_of_digits_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from tensorbus.run import launch_local
-    from tensorbus.run.options import RunOptions
-
     paths = []
     for strategy in ("sync", "async"):
         path = tmp_path / f"{strategy}.jsonl"
-        launch_local(ROOT / "examples" / "digits.py",
-                     RunOptions(workers=2, strategy=strategy, steps=30, metrics=path,
-                                eval_every_s=0.02),
-                     threads=1)
+        done = zygote.shared().run(
+            ["local", str(ROOT / "examples" / "digits.py"), "--workers", "2", "--strategy",
+             strategy, "--steps", "30", "--metrics", str(path), "--eval-every", "0.02",
+             "--threads", "1", "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+            timeout=100)
+        assert done.returncode == 0, done.stderr[-2000:]
         paths.append(path)
     runs = [_read(p, None) for p in paths]
     assert [r.label for r in runs] == ["sync (sync, 2 workers)", "async (async, 2 workers)"]

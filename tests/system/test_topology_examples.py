@@ -8,11 +8,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_topology_example_trains(script: str, args: list[str]) -> None:
     # In a session of its own: its nodes are its children, and a script killed at the
     # timeout would leave them running (they are reaped below, whatever happens).
-    example = subprocess.Popen([sys.executable, str(ROOT / "examples" / script), *args],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    # (Forked by the zygote, which gives each child a session of its own.)
+    example = zygote.shared().popen(args, script=ROOT / "examples" / script, cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = example.communicate(timeout=140)
     finally:
@@ -52,7 +52,7 @@ def _running_in(group: int) -> bool:
     return False
 
 
-def _reap(example: subprocess.Popen[str]) -> None:
+def _reap(example: zygote.Forked) -> None:
     """End whatever is left of the example's session: SIGTERM first (multiprocessing's
     resource tracker ignores it and unlinks the shared memory once its users are gone),
     then SIGKILL after 10 s."""
