@@ -132,9 +132,11 @@ class Zygote:
     def popen(self, argv: Sequence[str], *, cwd: str | Path = ROOT,
               env: Mapping[str, str] | None = None, stdin: Any = subprocess.DEVNULL,
               stdout: Any = None, stderr: Any = None, text: bool = False,
-              code: str | None = None, script: str | Path | None = None) -> Forked:
+              code: str | None = None, script: str | Path | None = None,
+              netns: str | None = None) -> Forked:
         """`python -m tensorbus ARGV` (with `code`: `python -c CODE ARGV`; with `script`:
-        `python SCRIPT ARGV`), forked."""
+        `python SCRIPT ARGV`), forked; with `netns`, in that network namespace, as under
+        `ip netns exec NETNS`."""
         ours: list[int] = []  # the child's ends of pipes made here, closed once sent
         mine: dict[str, IO[Any] | None] = {}
 
@@ -163,6 +165,7 @@ class Zygote:
             fds[2] = fds[1]
         order = {"argv": list(argv), "cwd": str(cwd), "code": code,
                  "script": None if script is None else os.path.abspath(script),
+                 "netns": netns,
                  "env": dict(os.environ if env is None else env)}
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -319,6 +322,8 @@ def _child(order: dict[str, Any], fds: list[int]) -> None:
     script = order.get("script") or ""
     try:
         os.setsid()
+        if order.get("netns"):
+            _enter_netns(order["netns"])
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         stdin, stdout, stderr = fds if len(fds) == 3 else (fds + [0, 1, 2])[:3]
         children._stdio(stdin, stdout, stderr)
@@ -356,6 +361,22 @@ def _child(order: dict[str, Any], fds: list[int]) -> None:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
             os._exit(code & 0xFF)
+
+
+def _enter_netns(name: str) -> None:
+    """Move this process into the network namespace `ip netns add NAME` made: setns(2), as
+    `ip netns exec` does (a namespace is a thread's, and this child has one thread yet)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zygote
 from cluster import LIVENESS, QUIET, ROOT, TIMEOUT_S, Cluster, steps, version
 from netns import COORDINATOR_ADDRESS, Network, network, worker_address
+from zygote import Forked
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.netns]
 
@@ -49,12 +51,11 @@ class NetCluster(Cluster):
         self.port, self.pub_port = PORT, PORT + 1
         self.endpoint = f"tcp://{COORDINATOR_ADDRESS}:{PORT}"
 
-    def _start_in(self, namespace: str, *args: str, log: str) -> subprocess.Popen[str]:
+    def _start_in(self, namespace: str, *args: str, log: str) -> Forked:
         with (self.tmp / log).open("a") as stderr:
-            process = subprocess.Popen(
-                [*self.net.exec(namespace), sys.executable, "-m", "tensorbus", *args], cwd=ROOT,
-                text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
-            )
+            process = zygote.shared().popen(
+                args, netns=namespace, cwd=ROOT, text=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=stderr)
         self._all.append(process)  # reaped with the rest
         return process
 
@@ -92,8 +93,7 @@ def net_cluster(tmp_path: Path, workers: int) -> Iterator[NetCluster]:
 
 def _tensorbus(*args: str) -> subprocess.CompletedProcess[str]:
     """A short command that needs no network (`keys`), run here."""
-    return subprocess.run([sys.executable, "-m", "tensorbus", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, stdin=subprocess.DEVNULL, check=False)
+    return zygote.shared().run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def _lost(records: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:
