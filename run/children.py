@@ -55,6 +55,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, NoReturn
 
@@ -62,8 +63,9 @@ import numpy  # (first: the threads its OpenBLAS starts are counted in _THREADS)
 
 REAP_S: Final = 5.0  # how long an untold child may take to exit once its pipe closes
 # A child's stdout: a pipe of its own, or its stderr's; or, "inherit", its stdout and stderr
-# are the launcher's own, as a subprocess's it starts without pipes.
-Stdout = Literal["pipe", "stderr", "inherit"]
+# are the launcher's own, as a subprocess's it starts without pipes; or, "launchers", its
+# stdout is the launcher's own and its stderr a pipe.
+Stdout = Literal["pipe", "stderr", "inherit", "launchers"]
 _PR_SET_PDEATHSIG: Final = 1  # prctl options, from linux/prctl.h
 _PR_SET_NAME: Final = 15
 _TASKS = "/proc/self/task"
@@ -147,16 +149,20 @@ class Forks:
 
     async def start(self, name: str, module: str, argv: list[str], *, stdin: bool = False,
                     stdout: Stdout = "stderr", script: bool = False,
-                    environ: dict[str, str] | None = None, threads: int | None = None) -> Forked:
+                    environ: dict[str, str] | None = None, unset: Sequence[str] = (),
+                    threads: int | None = None) -> Forked:
         """The next child, told to run `python -m MODULE ARGV` (or `python MODULE ARGV`,
-        MODULE a `script`'s path, with `environ` set and torch's `threads`): written to on
+        MODULE a `script`'s path, with `environ` set, `unset` removed from its environment,
+        and torch's `threads`): written to on
         stdin (`Forked.stdin`) if `stdin`, else its stdin at its end; its stdout read from
         `Forked.stdout` ("pipe"), or from `Forked.stderr` with its stderr, line by line
-        ("stderr"), or the launcher's own, its stderr too ("inherit"). Its command line
+        ("stderr"), or the launcher's own, its stderr too ("inherit") or its stderr read
+        from `Forked.stderr` ("launchers"). Its command line
         stays its launcher's; `name` (15 bytes at most) is what `ps -o comm` and `top` show."""
         child = self._waiting.pop(0)
         orders = {"name": name, "module": module, "argv": argv, "stdout": stdout,
-                  "script": script, "environ": environ or {}, "threads": threads}
+                  "script": script, "environ": environ or {}, "unset": list(unset),
+                  "threads": threads}
         try:
             # One line, in the pipe at once (it holds 64 KiB; the child reads while we write).
             _write_all(child.orders, json.dumps(orders).encode() + b"\n")
@@ -301,8 +307,12 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
             os.setsid()
         if told["stdout"] == "inherit":  # (the launcher's, which this process has as its own)
             stdout, stderr = 1, 2
+        elif told["stdout"] == "launchers":
+            stdout = 1
         _stdio(orders, stdout if told["stdout"] != "stderr" else stderr, stderr)
         _as_if_fresh(told["threads"], script=bool(told["script"]))
+        for name in told["unset"]:
+            os.environ.pop(name, None)
         os.environ.update(told["environ"])
         sys.argv = [told["module"], *told["argv"]]
         if told["script"]:

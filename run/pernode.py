@@ -1,7 +1,9 @@
 """`tensorbus worker --workers-per-node G`: G worker processes on this node, one per GPU.
 
 Worker l (from 0) is a real process, `python -m tensorbus worker SPEC --rank NODE_RANK*G+l ...`,
-with LOCAL_RANK=l in its environment (see `run.cluster.child_environment`). Their stderr is
+with LOCAL_RANK=l in its environment (see `run.cluster.child_environment`): forked from this
+process where that is safe (no GPU: run.children, as `tensorbus local`'s workers), else a
+fresh interpreter. Their stderr is
 relayed line by line with a `[worker R]` prefix. The workers train independently of each
 other, so one that fails does not stop the rest (the coordinator drops a lost worker and
 goes on); this process waits for them all and fails, with the first failure's one-line
@@ -12,18 +14,21 @@ process (PR_SET_PDEATHSIG), as `run.local` does.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
 
 from tensorbus.bus.transport import new_event_loop
-from tensorbus.run.children import die_with_parent
+from tensorbus.run.children import Forks, die_with_parent
 from tensorbus.run.cluster import child_environment
 from tensorbus.run.device import resolve as resolve_device
 from tensorbus.run.local import (
     ERROR_PREFIX,
     LocalRunError,
+    Process,
     _reap,
+    fork_children,
     threads_per_worker,
 )
 
@@ -50,35 +55,47 @@ def launch_node(
     if workers < 1:
         raise ValueError(f"--workers-per-node must be at least 1, got {workers}")
     per_worker = threads_per_worker(threads, workers)
+    devices = [resolve_device(device, local) for local in range(workers)]
     commands = []
     for local in range(workers):
         rank = node_rank * workers + local
-        command = [sys.executable, "-m", "tensorbus", "worker", spec, "--connect", connect,
-                   "--rank", str(rank), "--device", resolve_device(device, local),
-                   "--threads", str(per_worker), *flags]
-        commands.append((rank, command, child_environment(
+        argv = ["worker", spec, "--connect", connect, "--rank", str(rank), "--device",
+                devices[local], "--threads", str(per_worker), *flags]
+        commands.append((rank, argv, child_environment(
             environ, rank=rank, local_rank=local, local_world_size=workers,
             node_rank=node_rank)))
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        failures = runner.run(_launch(commands))
+    forks = fork_children(workers, devices)
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            failures = runner.run(_launch(commands, forks))
+    finally:
+        if forks is not None:
+            forks.close()
     if failures:
         more = f" ({len(failures)} of this node's {workers} workers failed)" \
             if len(failures) > 1 else ""
         raise NodeRunError(failures[0] + more)
 
 
-async def _launch(commands: list[tuple[int, list[str], dict[str, str]]]) -> list[str]:
-    """Start every worker, wait for all; their failures, one line each, in rank order."""
-    processes: list[asyncio.subprocess.Process] = []
+async def _launch(commands: list[tuple[int, list[str], dict[str, str]]],
+                  forks: Forks | None) -> list[str]:
+    """Start every worker (`tensorbus ARGV` in its environment), wait for all; their
+    failures, one line each, in rank order."""
+    processes: list[Process] = []
     relays: list[asyncio.Task[str | None]] = []
     try:
-        for rank, command, env in commands:
-            process = await asyncio.create_subprocess_exec(
-                *command, env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,  # stdout is ours: what a SPEC prints shows
-                preexec_fn=die_with_parent,
-            )
+        for rank, argv, env in commands:
+            # stdout is ours (what a SPEC prints shows); stderr is relayed.
+            process: Process
+            if forks is not None:
+                process = await forks.start(
+                    f"tb worker {rank}", "tensorbus", argv, stdout="launchers", environ=env,
+                    unset=[name for name in os.environ if name not in env])
+            else:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "tensorbus", *argv, env=env,
+                    stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                    preexec_fn=die_with_parent)
             processes.append(process)
             relays.append(asyncio.create_task(_relay(rank, process)))
         outcomes = await asyncio.gather(*relays)
@@ -92,7 +109,7 @@ async def _launch(commands: list[tuple[int, list[str], dict[str, str]]]) -> list
         await asyncio.gather(*relays, return_exceptions=True)
 
 
-async def _relay(rank: int, process: asyncio.subprocess.Process) -> str | None:
+async def _relay(rank: int, process: Process) -> str | None:
     """Copy a worker's stderr to ours; return why it failed, or None if it did not."""
     assert process.stderr is not None
     last_error = ""

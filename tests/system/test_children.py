@@ -210,6 +210,33 @@ def test_a_script_runs_as_python_script_would_with_the_launchers_output(tmp_path
     assert (tmp_path / "left_open.txt").read_text() == "written, never flushed by the script"
 
 
+def test_a_child_on_the_launchers_stdout_with_its_stderr_read_and_a_variable_unset(
+    tmp_path: Path,
+) -> None:
+    """stdout="launchers" (`worker --workers-per-node`'s): what the child prints reaches the
+    launcher's own stdout, its stderr comes to the launcher; `unset` leaves a variable of the
+    launcher's out of the child's environment."""
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\n"
+                      "print('printed', os.environ.get('WORLD_SIZE'), os.environ['RANK'])\n"
+                      "print('said', file=sys.stderr)\n")
+    launcher = _launcher(f"""
+        os.environ["WORLD_SIZE"] = "8"
+        forks = Forks(1)
+        async def main():
+            child = await forks.start("script", {str(script)!r}, [], stdout="launchers",
+                                      script=True, environ={{"RANK": "3"}}, unset=["WORLD_SIZE"])
+            assert child.stdout is None
+            said = await child.stderr.read()
+            return said.decode(), await child.wait()
+        print(json.dumps(asyncio.run(main())))
+        forks.close()
+    """)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 0, err
+    assert out.splitlines() == ["printed None 3", json.dumps(["said\n", 0])]
+
+
 def test_no_child_holds_anothers_pipes() -> None:
     """A child forked after another holds none of the launcher's ends of that one's pipes:
     the first sees its stdin end when the launcher closes it, while the second lives."""
