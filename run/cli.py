@@ -153,6 +153,9 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         summary = own_loop.launch(args.script, options, args.script_args, threads=args.threads,
                                   forks=forks)
+    except own_loop.ScriptsFailed as e:
+        _ended(args, e.summary)  # the run's figures, then the failure's line (exit 1)
+        raise
     finally:
         if forks is not None:
             forks.close()

@@ -13,7 +13,9 @@ of steps or epochs: those are the script's.
 
 `launch` starts that coordinator in this process and N copies of the script beside it, each
 with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) and TENSORBUS_COORDINATOR, and
-returns the coordinator's summary once they have all ended. With --keys, the coordinator's
+returns the coordinator's summary once they have all ended; if any script exited with an
+error status (it raised), ScriptsFailed carries the summary and names them: the run went on
+without them, as a run of `local` fails with a worker that failed. With --keys, the coordinator's
 sockets take only the authorized keys, and each script is given the key directory in
 TENSORBUS_KEYS. From the command line, the copies are forked from this process before it
 starts anything (run.children), with torch imported already; where that is not safe, they
@@ -60,6 +62,19 @@ log = logging.getLogger("tensorbus.coordinator")
 # The largest Describe taken: the model's initial weights ride in it (4 GiB: a billion
 # float32 parameters). Only the first is read this way; later ones go to the coordinator.
 MAX_DESCRIBE_BYTES = 1 << 32
+
+
+class ScriptsFailed(TrainingError):
+    """Some scripts exited with an error status while the run went on to its end without
+    them: `summary` is the run's; the message names them (the first, and how many)."""
+
+    def __init__(self, summary: dict[str, Any], failed: list[tuple[int, int]], scripts: int) -> None:
+        rank, code = failed[0]
+        more = f" ({len(failed)} of the {scripts} scripts failed)" if len(failed) > 1 else ""
+        super().__init__(f"the script of rank {rank} exited with status {code} (its output says "
+                         f"why); the run went on without it to its end{more}")
+        self.summary = summary
+        self.failed = failed
 END_S = 10.0  # how long a script may take to end, once the run has, before it is ended
 
 
@@ -173,7 +188,8 @@ def launch(script: str | Path, options: RunOptions, script_args: Sequence[str] =
            forks: Forks | None = None) -> dict[str, Any]:
     """Run `script` N times beside a coordinator of its model (see the module docstring);
     the coordinator's summary. A script that fails is said in its own output; the run goes
-    on without it. `forks`: N children to run the copies in (else fresh interpreters)."""
+    on without it, and ScriptsFailed says so at the end. `forks`: N children to run the
+    copies in (else fresh interpreters)."""
     signalled: list[signal.Signals] = []
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         try:
@@ -262,7 +278,7 @@ async def _launched(script: Path, options: RunOptions, script_args: list[str], b
         await asyncio.wait({served, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch.done() and not served.done():
             watch.result()  # (raises: every script ended before the run could begin)
-        return await served
+        summary = await served
     finally:
         if watch is not None:
             watch.cancel()
@@ -271,6 +287,12 @@ async def _launched(script: Path, options: RunOptions, script_args: list[str], b
         if not served.done():
             served.cancel()
             await asyncio.gather(served, return_exceptions=True)
+    # (Killed scripts were removed, as `local`'s killed workers are: the summary's `lost`.)
+    failed = [(rank, p.returncode) for rank, p in enumerate(scripts)
+              if p.returncode is not None and p.returncode > 0]
+    if failed:
+        raise ScriptsFailed(summary, failed, len(scripts))
+    return summary
 
 
 async def _end(scripts: list[Process], signalled: list[signal.Signals]) -> None:

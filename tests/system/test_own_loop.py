@@ -182,7 +182,9 @@ def test_ctrl_c_reaches_every_script_as_it_would_alone(tmp_path: Path) -> None:
 def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str) -> None:
     """Rank 1 raises after its 31st step (its traceback is its own, and it leaves the run
     with its error), or is killed there (the launcher sees it die and removes it at once):
-    rank 0 trains to its end alone."""
+    rank 0 trains to its end alone. The summary is printed either way; a script that
+    failed fails the launch at the end (exit 1), as a worker that failed fails `local`,
+    and one that was killed was removed, as under `local`."""
     end = ("raise RuntimeError('rank 1 gives up')" if how == "raises"
            else "__import__('os').kill(__import__('os').getpid(), 9)")
     script = _variant(tmp_path / "dies.py", (
@@ -192,7 +194,7 @@ def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str)
         f"                {end}\n"))
     done = _launch("--workers", "2", *QUIET, "--log-level", "info", "--", "--epochs", "2",
                    script=script)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == (1 if how == "raises" else 0), done.stderr
     summary = json.loads(done.stdout)
     assert summary["steps"] == 92  # rank 0 went on through both its epochs
     assert summary["per_worker"]["1"]["pushes"] == 31
@@ -202,6 +204,9 @@ def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str)
         assert re.search(r"worker 1 .* left \(error: RuntimeError: rank 1 gives up\)",
                          done.stderr)
         assert summary["lost"] == []
+        assert done.stderr.splitlines()[-1] == (
+            "tensorbus: error: the script of rank 1 exited with status 1 (its output says why); "
+            "the run went on without it to its end")
     else:
         assert [w["rank"] for w in summary["lost"]] == [1]
         assert "(its script) died of SIGKILL: removed" in done.stderr
