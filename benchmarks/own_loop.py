@@ -91,7 +91,7 @@ def main(argv: Sequence[str], meta: Meta) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks own_loop")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--skip", type=int, default=50, help="first versions not timed")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     rounds: list[dict[str, Any]] = []
