@@ -526,7 +526,7 @@ class Coordinator:
             if self._ending.stopping:
                 return
             await self.checkpoints.write(self.version)
-            await self._stop(f"stop requested: {why}")
+            await self._stop(self._ending.stop_words(why))
 
     # Receiving ---------------------------------------------------------------------------
 
@@ -879,7 +879,7 @@ class Coordinator:
                                    self.metrics.wall_s(), self._length.done_share()))
         if self._ending.stop_due(self.version):
             await self.checkpoints.write(self.version)
-            await self._stop(f"stop requested: {self._ending.requested}")
+            await self._stop(self._ending.stop_words(self._ending.requested or ""))
         elif self._length.reached_target:
             await self.checkpoints.write(self.version)
             await self._stop(f"reached {self._length.progress_words()}")

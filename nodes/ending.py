@@ -88,6 +88,11 @@ class Ending:
             return
         self._now(why, stop)
 
+    def stop_words(self, why: str) -> str:
+        """How an asked stop ends the run (the summary's `ended`): a stop that is the run's
+        normal end (`quiet`: a relay whose root stopped) as it is, another as asked."""
+        return why if self.quiet else f"stop requested: {why}"
+
     def _now(self, why: str, stop: Callable[[str], None]) -> None:
         self.at_version = None
         log.log(logging.INFO if self.quiet else logging.WARNING, "stop requested (%s): %s", why,

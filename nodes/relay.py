@@ -171,7 +171,8 @@ class Relay:
                     # The root's failure is the tree's: said to our workers, and raised.
                     await self.coordinator.fail(failure)
                 else:
-                    self.coordinator.request_stop("the root stopped")
+                    # (Its normal end, said as the end of an update in flight says it.)
+                    self.coordinator.request_stop("the root stopped", quiet=True)
                 return
             await asyncio.sleep(self._upstream.heartbeat_s)
 
