@@ -150,19 +150,21 @@ class Forks:
     async def start(self, name: str, module: str, argv: list[str], *, stdin: bool = False,
                     stdout: Stdout = "stderr", script: bool = False,
                     environ: dict[str, str] | None = None, unset: Sequence[str] = (),
-                    threads: int | None = None) -> Forked:
+                    threads: int | None = None, session: bool | None = None) -> Forked:
         """The next child, told to run `python -m MODULE ARGV` (or `python MODULE ARGV`,
         MODULE a `script`'s path, with `environ` set, `unset` removed from its environment,
         and torch's `threads`): written to on
         stdin (`Forked.stdin`) if `stdin`, else its stdin at its end; its stdout read from
         `Forked.stdout` ("pipe"), or from `Forked.stderr` with its stderr, line by line
         ("stderr"), or the launcher's own, its stderr too ("inherit") or its stderr read
-        from `Forked.stderr` ("launchers"). Its command line
+        from `Forked.stderr` ("launchers"). `session`: a session of its own, so that Ctrl-C
+        in the terminal reaches the launcher alone (the default, but for a script, which
+        stays in the launcher's process group as a subprocess would). Its command line
         stays its launcher's; `name` (15 bytes at most) is what `ps -o comm` and `top` show."""
         child = self._waiting.pop(0)
         orders = {"name": name, "module": module, "argv": argv, "stdout": stdout,
                   "script": script, "environ": environ or {}, "unset": list(unset),
-                  "threads": threads}
+                  "threads": threads, "session": not script if session is None else session}
         try:
             # One line, in the pipe at once (it holds 64 KiB; the child reads while we write).
             _write_all(child.orders, json.dumps(orders).encode() + b"\n")
@@ -300,11 +302,12 @@ def _child(parent: int, orders: int, stdout: int, stderr: int) -> NoReturn:
             os._exit(0)  # never told: the launcher gave up before starting it
         told = json.loads(line)
         _prctl(_PR_SET_NAME, told["name"].encode()[:15])  # (this thread's: the process's)
-        if told["script"]:  # (in the launcher's process group, as a subprocess it starts:
-            # Ctrl-C in the terminal reaches the script too, as it would reach it alone)
+        if told["script"]:
             script = os.path.abspath(told["module"])
-        else:
+        if told["session"]:
             os.setsid()
+        # (Else in the launcher's process group, as a subprocess it starts: Ctrl-C in the
+        # terminal reaches this child too, as it would reach it alone.)
         if told["stdout"] == "inherit":  # (the launcher's, which this process has as its own)
             stdout, stderr = 1, 2
         elif told["stdout"] == "launchers":

@@ -350,7 +350,6 @@ def _node(args: argparse.Namespace) -> int:
         raise ValueError("--rank and --workers-per-node exclude each other: worker L of a "
                          "node takes rank NODE_RANK*G+L (see --node-rank)")
     connect, _ = _placed(args)
-    load_spec(args.spec)  # a SPEC error once, here, rather than from every worker
     flags = ["--log-level", args.log_level, "--join-timeout", str(args.join_timeout_s),
              "--reconnect-timeout", str(args.reconnect_timeout_s), "--key-name", args.key_name,
              *(f"--fault={f}" for f in args.fault)]

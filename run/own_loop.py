@@ -54,7 +54,7 @@ from tensorbus.nodes.own_loop import COORDINATOR_VARIABLE, KEYS_VARIABLE
 from tensorbus.run.children import Forks
 from tensorbus.run.local import Process
 from tensorbus.run.options import RunOptions, coordinator_config, make_strategy
-from tensorbus.run.signals import die_of
+from tensorbus.run.signals import cancel_on_signals, die_of
 from tensorbus.strategies.base import PushKind
 
 log = logging.getLogger("tensorbus.coordinator")
@@ -215,35 +215,10 @@ async def _start(script: Path, script_args: list[str], environ: dict[str, str],
         stdin=asyncio.subprocess.DEVNULL)
 
 
-def _on_signals(signalled: list[signal.Signals]) -> Callable[[], None]:
-    """Ctrl-C or SIGTERM cancel this task, which ends the scripts and the coordinator
-    first (recorded in `signalled`); a second one acts as it would. What to undo, after."""
-    loop, task = asyncio.get_running_loop(), asyncio.current_task()
-    assert task is not None
-    signals = (signal.SIGINT, signal.SIGTERM)
-
-    def undo() -> None:
-        for s in signals:
-            with contextlib.suppress(RuntimeError, ValueError):
-                loop.remove_signal_handler(s)
-
-    def on(sig: signal.Signals) -> None:
-        undo()
-        signalled.append(sig)
-        task.cancel()
-
-    try:
-        for s in signals:
-            loop.add_signal_handler(s, on, s)
-    except (RuntimeError, ValueError):  # not the main thread: signals are not ours
-        undo()
-    return undo
-
-
 async def _launch(script: Path, options: RunOptions, script_args: list[str], bind: str,
                   threads: int | None, forks: Forks | None,
                   signalled: list[signal.Signals]) -> dict[str, Any]:
-    undo = _on_signals(signalled)
+    undo = cancel_on_signals(signalled)
     try:
         return await _launched(script, options, script_args, bind, threads, forks, signalled)
     finally:
@@ -277,7 +252,9 @@ async def _launched(script: Path, options: RunOptions, script_args: list[str], b
         watch = asyncio.ensure_future(_watch(scripts, coordinators))
         await asyncio.wait({served, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch.done() and not served.done():
-            watch.result()  # (raises: every script ended before the run could begin)
+            # (Raises where every script ended before any described its model; where one
+            # ended before it joined, the coordinator was failed and `served` raises.)
+            watch.result()
         summary = await served
     finally:
         if watch is not None:

@@ -14,6 +14,7 @@ process (PR_SET_PDEATHSIG), as `run.local` does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -31,8 +32,11 @@ from tensorbus.run.local import (
     fork_children,
     threads_per_worker,
 )
+from tensorbus.run.signals import cancel_on_signals, die_of
+from tensorbus.run.spec import load_spec
 
 GRACE_S = 5.0  # after an interruption, how long the workers get to leave on their own
+RELAY_S = 2.0  # then, how long their output may take to be relayed to its end
 
 
 class NodeRunError(LocalRunError):
@@ -64,13 +68,24 @@ def launch_node(
         commands.append((rank, argv, child_environment(
             environ, rank=rank, local_rank=local, local_world_size=workers,
             node_rank=node_rank)))
+    # Forked before the SPEC is loaded here, as `local`'s workers are: each worker imports
+    # it afresh, with its own rank in its environment.
     forks = fork_children(workers, devices)
+    signalled: list[signal.Signals] = []
     try:
+        load_spec(spec)  # a SPEC error once, here, rather than from every worker
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            failures = runner.run(_launch(commands, forks))
+            failures = runner.run(_launch(commands, forks, signalled))
+    except asyncio.CancelledError:
+        if not signalled:
+            raise
     finally:
         if forks is not None:
             forks.close()
+    if signalled:  # the workers have left and their last lines are relayed: as asked
+        if signalled[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        die_of(signalled[0])
     if failures:
         more = f" ({len(failures)} of this node's {workers} workers failed)" \
             if len(failures) > 1 else ""
@@ -78,19 +93,22 @@ def launch_node(
 
 
 async def _launch(commands: list[tuple[int, list[str], dict[str, str]]],
-                  forks: Forks | None) -> list[str]:
+                  forks: Forks | None, signalled: list[signal.Signals]) -> list[str]:
     """Start every worker (`tensorbus ARGV` in its environment), wait for all; their
-    failures, one line each, in rank order."""
+    failures, one line each, in rank order. Ctrl-C or SIGTERM cancel this (`signalled`
+    says which), once the workers have left and what they said last is relayed."""
     processes: list[Process] = []
     relays: list[asyncio.Task[str | None]] = []
+    undo = cancel_on_signals(signalled)
     try:
         for rank, argv, env in commands:
             # stdout is ours (what a SPEC prints shows); stderr is relayed.
             process: Process
             if forks is not None:
+                # (In this process group, as a subprocess: Ctrl-C reaches it, see below.)
                 process = await forks.start(
                     f"tb worker {rank}", "tensorbus", argv, stdout="launchers", environ=env,
-                    unset=[name for name in os.environ if name not in env])
+                    unset=[name for name in os.environ if name not in env], session=False)
             else:
                 process = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "tensorbus", *argv, env=env,
@@ -98,15 +116,26 @@ async def _launch(commands: list[tuple[int, list[str], dict[str, str]]],
                     preexec_fn=die_with_parent)
             processes.append(process)
             relays.append(asyncio.create_task(_relay(rank, process)))
-        outcomes = await asyncio.gather(*relays)
-        return [why for why in outcomes if why is not None]
+        # (Not gather: cancelled by Ctrl-C, it would cancel the relays, and with them the
+        # last lines of the workers as they leave.)
+        await asyncio.wait(relays)
+        return [why for relay in relays if (why := relay.result()) is not None]
     finally:
         # Done: nothing is left. Interrupted: the workers got the Ctrl-C too (same process
-        # group) and leave through their coordinator; what has not left in GRACE_S is ended.
+        # group) and leave through their coordinator; a SIGTERM to this process alone is
+        # passed on to them. What has not left in GRACE_S is ended.
+        if signalled and signalled[0] == signal.SIGTERM:
+            for process in processes:
+                if process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.send_signal(signal.SIGTERM)
         await _reap(processes, timeout=GRACE_S)
+        if relays:  # what the workers said last, relayed before this process ends
+            await asyncio.wait(relays, timeout=RELAY_S)
         for relay in relays:
             relay.cancel()
         await asyncio.gather(*relays, return_exceptions=True)
+        undo()
 
 
 async def _relay(rank: int, process: Process) -> str | None:

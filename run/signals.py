@@ -13,9 +13,10 @@ then dies of the signal (`die_of`), so that whoever started it sees what a kill 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
@@ -58,6 +59,33 @@ async def stopping_on_signals(
     finally:
         for s in installed:
             loop.remove_signal_handler(s)
+
+
+def cancel_on_signals(signalled: list[signal.Signals]) -> Callable[[], None]:
+    """Ctrl-C or SIGTERM cancel the current task (a launcher's, which then ends what it
+    started before it ends itself), recorded in `signalled`; a second one acts as it
+    would. Returns what undoes this, to call once the task is over. Outside the main
+    thread signals cannot be caught, and nothing is done."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def undo() -> None:
+        for s in signals:
+            with contextlib.suppress(RuntimeError, ValueError):
+                loop.remove_signal_handler(s)
+
+    def on(sig: signal.Signals) -> None:
+        undo()
+        signalled.append(sig)
+        task.cancel()
+
+    try:
+        for s in signals:
+            loop.add_signal_handler(s, on, s)
+    except (RuntimeError, ValueError):  # not the main thread: signals are not ours
+        undo()
+    return undo
 
 
 def die_of(sig: signal.Signals) -> None:

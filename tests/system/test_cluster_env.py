@@ -14,8 +14,10 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -375,6 +377,45 @@ def test_workers_per_node(tmp_path: Path) -> None:
     log = c.log("node.log")
     for rank in (2, 3):  # relayed, prefixed, from the worker of that rank
         assert re.search(rf"^\[worker {rank}\] .*worker {rank} done", log, re.MULTILINE), log
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_signal_on_a_node_reaches_its_workers_which_leave_at_once(
+    tmp_path: Path, signal_name: str
+) -> None:
+    """Ctrl-C in the node's terminal (SIGINT to its process group) reaches its workers too,
+    as it would reach workers it started as subprocesses; a SIGTERM to the node alone is
+    passed on to them. Each leaves the run on the signal, what it said last is relayed,
+    and the node ends as the signal asks, well within its grace for workers that do not
+    leave (5 s)."""
+    c = EnvCluster(tmp_path)
+    clean = _clean()
+    try:
+        c.coordinator_in({**clean, "WORLD_SIZE": "2"}, "--steps", "100000")
+        node = c.worker_in("node.log", {
+            **clean, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(c.port)},
+            "--workers-per-node", "2", "--fault", "slow:20")
+        c.wait_for("a step with both", lambda rs: any(
+            r["event"] == "step" and r["workers"] == [0, 1] for r in rs))
+        if signal_name == "SIGINT":  # (the zygote's child leads its own group)
+            os.killpg(node.pid, signal.SIGINT)
+        else:
+            node.send_signal(signal.SIGTERM)
+        interrupted = time.monotonic()
+        code = node.wait(timeout=30)
+        took = time.monotonic() - interrupted
+        # With no worker left the coordinator ends by itself (not killed: its shared memory
+        # goes with it), saying so.
+        assert c.coordinator is not None and c.coordinator.wait(timeout=30) == 1
+    finally:
+        c.reap()
+    assert code == (130 if signal_name == "SIGINT" else -signal.SIGTERM), c.logs()
+    assert took < 4.0, took
+    assert "no worker is left" in c.log("coordinator.log")
+    log = c.log("node.log")
+    for rank in (0, 1):
+        assert f"[worker {rank}] worker {rank} left the run on {signal_name}" in log, log
 
 
 @pytest.mark.timeout(40)
