@@ -164,7 +164,7 @@ class Zygote:
         if fds[2] == -1:
             fds[2] = fds[1]
         order = {"argv": list(argv), "cwd": str(cwd), "code": code,
-                 "script": None if script is None else os.path.abspath(script),
+                 "script": None if script is None else os.path.abspath(os.path.join(cwd, script)),
                  "netns": netns,
                  "env": dict(os.environ if env is None else env)}
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -322,11 +322,11 @@ def _child(order: dict[str, Any], fds: list[int]) -> None:
     script = order.get("script") or ""
     try:
         os.setsid()
-        if order.get("netns"):
-            _enter_netns(order["netns"])
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         stdin, stdout, stderr = fds if len(fds) == 3 else (fds + [0, 1, 2])[:3]
         children._stdio(stdin, stdout, stderr)
+        if order.get("netns"):  # (after its stdio: a failure is said where the test reads)
+            _enter_netns(order["netns"])
         os.chdir(order["cwd"])
         os.environ.clear()
         os.environ.update(order["env"])
@@ -365,7 +365,8 @@ def _child(order: dict[str, Any], fds: list[int]) -> None:
 
 def _enter_netns(name: str) -> None:
     """Move this process into the network namespace `ip netns add NAME` made: setns(2), as
-    `ip netns exec` does (a namespace is a thread's, and this child has one thread yet)."""
+    `ip netns exec` does for the network (not its mounts of /sys and /etc/netns, which
+    nothing here reads). A namespace is a thread's, and this child has one thread yet."""
     import ctypes
 
     clone_newnet = 0x40000000
