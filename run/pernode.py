@@ -1,14 +1,14 @@
 """`tensorbus worker --workers-per-node G`: G worker processes on this node, one per GPU.
 
-Worker l (from 0) is a real process, `python -m tensorbus worker SPEC --rank NODE_RANK*G+l ...`,
-with LOCAL_RANK=l in its environment (see `run.cluster.child_environment`): forked from this
-process where that is safe (no GPU: run.children, as `tensorbus local`'s workers), else a
-fresh interpreter. Their stderr is
-relayed line by line with a `[worker R]` prefix. The workers train independently of each
-other, so one that fails does not stop the rest (the coordinator drops a lost worker and
-goes on); this process waits for them all and fails, with the first failure's one-line
-error, if any did. Every worker is reaped, and each is told by the kernel to die with this
-process (PR_SET_PDEATHSIG), as `run.local` does.
+Worker l (from 0) is `tensorbus worker SPEC --rank NODE_RANK*G+l ...` with LOCAL_RANK=l in its
+environment (see `run.cluster.child_environment`): forked from this process where that is
+safe (no GPU: run.children, as `tensorbus local`'s workers), else a fresh interpreter. Each
+stays in this process's group, so Ctrl-C in the terminal reaches it; a SIGTERM to this
+process is passed on. Their stderr is relayed line by line with a `[worker R]` prefix. The
+workers train independently of each other, so one that fails does not stop the rest (the
+coordinator drops a lost worker and goes on); this process waits for them all and fails,
+with the first failure's one-line error, if any did. Every worker is reaped, and each is
+told by the kernel to die with this process (PR_SET_PDEATHSIG), as `run.local` does.
 """
 
 from __future__ import annotations
