@@ -37,6 +37,7 @@ from tensorbus.run.spec import load_spec
 
 GRACE_S = 5.0  # after an interruption, how long the workers get to leave on their own
 RELAY_S = 2.0  # then, how long their output may take to be relayed to its end
+HEARD_S = 1.0  # how long workers that heard a Ctrl-C take to leave, at most (a few ms, seen)
 
 
 class NodeRunError(LocalRunError):
@@ -82,9 +83,7 @@ def launch_node(
     finally:
         if forks is not None:
             forks.close()
-    if signalled:  # the workers have left and their last lines are relayed: as asked
-        if signalled[0] == signal.SIGINT:
-            raise KeyboardInterrupt
+    if signalled:  # the workers have left and their last lines are relayed: die of it
         die_of(signalled[0])
     if failures:
         more = f" ({len(failures)} of this node's {workers} workers failed)" \
@@ -122,13 +121,17 @@ async def _launch(commands: list[tuple[int, list[str], dict[str, str]]],
         return [why for relay in relays if (why := relay.result()) is not None]
     finally:
         # Done: nothing is left. Interrupted: the workers got the Ctrl-C too (same process
-        # group) and leave through their coordinator; a SIGTERM to this process alone is
-        # passed on to them. What has not left in GRACE_S is ended.
-        if signalled and signalled[0] == signal.SIGTERM:
+        # group) and leave through their coordinator; a signal to this process alone is
+        # passed on to them (a Ctrl-C after HEARD_S, to those that did not leave: a second
+        # one would make a leaving worker's exit abrupt). What has not left in GRACE_S is
+        # ended.
+        if signalled:
+            if signalled[0] == signal.SIGINT:
+                await _exits(processes, HEARD_S)
             for process in processes:
                 if process.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
-                        process.send_signal(signal.SIGTERM)
+                        process.send_signal(signalled[0])
         await _reap(processes, timeout=GRACE_S)
         if relays:  # what the workers said last, relayed before this process ends
             await asyncio.wait(relays, timeout=RELAY_S)
@@ -136,6 +139,15 @@ async def _launch(commands: list[tuple[int, list[str], dict[str, str]]],
             relay.cancel()
         await asyncio.gather(*relays, return_exceptions=True)
         undo()
+
+
+async def _exits(processes: Sequence[Process], timeout: float) -> None:
+    """Wait up to `timeout` for every process to exit."""
+    waits = [asyncio.ensure_future(p.wait()) for p in processes if p.returncode is None]
+    if waits:
+        await asyncio.wait(waits, timeout=timeout)
+    for wait in waits:
+        wait.cancel()
 
 
 async def _relay(rank: int, process: Process) -> str | None:

@@ -380,15 +380,16 @@ def test_workers_per_node(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(("signal_name", "to"), [
+    ("SIGINT", "group"), ("SIGINT", "node"), ("SIGTERM", "node")])
 def test_a_signal_on_a_node_reaches_its_workers_which_leave_at_once(
-    tmp_path: Path, signal_name: str
+    tmp_path: Path, signal_name: str, to: str
 ) -> None:
     """Ctrl-C in the node's terminal (SIGINT to its process group) reaches its workers too,
-    as it would reach workers it started as subprocesses; a SIGTERM to the node alone is
+    as it would reach workers it started as subprocesses; a signal to the node alone is
     passed on to them. Each leaves the run on the signal, what it said last is relayed,
-    and the node ends as the signal asks, well within its grace for workers that do not
-    leave (5 s)."""
+    and the node dies of the signal once they have, well within its grace for workers that
+    do not leave (5 s)."""
     c = EnvCluster(tmp_path)
     clean = _clean()
     try:
@@ -398,10 +399,10 @@ def test_a_signal_on_a_node_reaches_its_workers_which_leave_at_once(
             "--workers-per-node", "2", "--fault", "slow:20")
         c.wait_for("a step with both", lambda rs: any(
             r["event"] == "step" and r["workers"] == [0, 1] for r in rs))
-        if signal_name == "SIGINT":  # (the zygote's child leads its own group)
-            os.killpg(node.pid, signal.SIGINT)
+        if to == "group":  # (the zygote's child leads its own group)
+            os.killpg(node.pid, signal.Signals[signal_name])
         else:
-            node.send_signal(signal.SIGTERM)
+            node.send_signal(signal.Signals[signal_name])
         interrupted = time.monotonic()
         code = node.wait(timeout=30)
         took = time.monotonic() - interrupted
@@ -410,12 +411,13 @@ def test_a_signal_on_a_node_reaches_its_workers_which_leave_at_once(
         assert c.coordinator is not None and c.coordinator.wait(timeout=30) == 1
     finally:
         c.reap()
-    assert code == (130 if signal_name == "SIGINT" else -signal.SIGTERM), c.logs()
+    assert code == -signal.Signals[signal_name], c.logs()
     assert took < 4.0, took
     assert "no worker is left" in c.log("coordinator.log")
     log = c.log("node.log")
     for rank in (0, 1):
         assert f"[worker {rank}] worker {rank} left the run on {signal_name}" in log, log
+    assert "error" not in log, log  # (a node stopped as asked: no error of its own)
 
 
 @pytest.mark.timeout(40)
