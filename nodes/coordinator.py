@@ -639,6 +639,8 @@ class Coordinator:
                 self._rejections.left(peer)
                 if reason == "error":  # (before it departs: a failure below the minimum says it)
                     self._errors.append(f"worker {member.rank}: {detail}")
+                    self.metrics.failed.append(
+                        {"rank": member.rank, "version": member.version, "why": detail})
                 # (An error is said by the run's failure, or its worker; a normal end is not news.)
                 await self._depart(member, f"left ({reason}{': ' + detail if detail else ''})",
                                    warn=reason == "interrupted",

@@ -48,6 +48,7 @@ class Metrics:
         self.max_clock_gap = 0
         self.broadcasts = 0  # versions published (whole or as changes); the rest were overtaken
         self.lost: list[dict[str, Any]] = []
+        self.failed: list[dict[str, Any]] = []  # workers that left with an error of theirs
         self.per_worker: dict[int, dict[str, float]] = {}
         self.trained_from: float | None = None  # when the start gate opened
         self.trained_until: float | None = None  # when the stop began
@@ -125,6 +126,7 @@ class Metrics:
             "max_clock_gap": self.max_clock_gap,
             "broadcasts": self.broadcasts,
             "lost": self.lost,
+            "failed": self.failed,
             "ended": self.ended,
             "resumed_from": self.resumed_from,
             "stopped_by": self.stopped_by,

@@ -11,7 +11,7 @@ from typing import Any
 # The summary's own fields (nodes.metrics); any other name is a figure of evaluate()'s.
 _FIELDS = {"event", "strategy", "workers", "steps", "samples", "wall_s", "train_s",
            "final_loss", "dropped", "rejected", "max_staleness", "max_clock_gap", "broadcasts",
-           "lost", "ended", "resumed_from", "stopped_by", "checkpoint", "per_worker",
+           "lost", "failed", "ended", "resumed_from", "stopped_by", "checkpoint", "per_worker",
            "unused", "pipeline", "standby"}
 
 
@@ -32,6 +32,9 @@ def table(summary: dict[str, Any], metrics: Path | None, *, keeps: bool = True) 
     lost = ", ".join(f"worker {w['rank']}" for w in summary["lost"]) or "none"
     lines.append(f"  dropped      {dropped}")
     lines.append(f"  lost         {lost}")
+    for worker in summary.get("failed") or []:  # (said only where one failed: rare)
+        lines.append(f"  failed       worker {worker['rank']} at version {worker['version']}: "
+                     f"{worker['why']}")
     if summary.get("max_clock_gap"):
         lines.append(f"  staleness    at most {summary['max_staleness']} versions, clocks at "
                      f"most {summary['max_clock_gap']} apart")

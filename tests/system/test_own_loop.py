@@ -204,11 +204,13 @@ def test_a_script_that_dies_leaves_the_others_training(tmp_path: Path, how: str)
         assert re.search(r"worker 1 .* left \(error: RuntimeError: rank 1 gives up\)",
                          done.stderr)
         assert summary["lost"] == []
+        (failed,) = summary["failed"]
+        assert failed["rank"] == 1 and failed["why"] == "RuntimeError: rank 1 gives up", failed
         assert done.stderr.splitlines()[-1] == (
             "tensorbus: error: the script of rank 1 exited with status 1 (its output says why); "
             "the run went on without it to its end")
     else:
-        assert [w["rank"] for w in summary["lost"]] == [1]
+        assert [w["rank"] for w in summary["lost"]] == [1] and summary["failed"] == []
         assert "(its script) died of SIGKILL: removed" in done.stderr
 
 

@@ -36,6 +36,14 @@ def test_the_table_holds_the_main_figures_and_evaluate_s() -> None:
         "  (--metrics FILE.jsonl keeps every step and the whole summary)")
 
 
+def test_a_worker_that_failed_is_said_on_a_line_of_its_own() -> None:
+    failed = {**SUMMARY, "failed": [{"rank": 1, "version": 31, "why": "RuntimeError: boom"}]}
+    lines = table(failed, None).splitlines()
+    assert lines[lines.index("  lost         none") + 1] == (
+        "  failed       worker 1 at version 31: RuntimeError: boom")
+    assert not any(line.startswith("  failed") for line in table(SUMMARY, None).splitlines())
+
+
 def test_a_run_stopped_by_a_signal_says_what_was_saved_and_how_to_go_on() -> None:
     assert stopped_by(SUMMARY) is None
     saved = {**SUMMARY, "stopped_by": "SIGINT", "steps": 57, "checkpoint": "ck/ckpt-000000057.pt"}
