@@ -14,6 +14,7 @@ reaped in `finally`, and each is also told by the kernel to die with this proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -258,16 +259,27 @@ async def _relay(
 
 async def _reap(processes: Sequence[Process], *, timeout: float) -> None:
     """Wait up to `timeout` for processes to exit, then terminate, then kill what is left."""
-    alive = [p for p in processes if p.returncode is None]
-    if alive and timeout > 0:
-        await asyncio.wait([asyncio.create_task(p.wait()) for p in alive], timeout=timeout)
+    if timeout > 0:
+        await wait_exits(processes, timeout)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in processes if p.returncode is None]
-        if not alive:
+        if all(p.returncode is not None for p in processes):
             return
-        for p in alive:
-            try:
-                p.send_signal(sig)
-            except ProcessLookupError:
-                pass
-        await asyncio.wait([asyncio.create_task(p.wait()) for p in alive], timeout=3.0)
+        signal_all(processes, sig)
+        await wait_exits(processes, 3.0)
+
+
+async def wait_exits(processes: Sequence[Process], timeout: float) -> None:
+    """Wait up to `timeout` for every process still running to exit."""
+    waits = [asyncio.ensure_future(p.wait()) for p in processes if p.returncode is None]
+    if waits:
+        await asyncio.wait(waits, timeout=timeout)
+    for wait in waits:
+        wait.cancel()
+
+
+def signal_all(processes: Sequence[Process], sig: signal.Signals) -> None:
+    """`sig` to each process still running."""
+    for process in processes:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(sig)

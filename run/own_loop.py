@@ -25,7 +25,6 @@ are fresh interpreters, `python SCRIPT`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -52,7 +51,7 @@ from tensorbus.nodes.failures import TrainingError
 from tensorbus.nodes.flat import FlatModel
 from tensorbus.nodes.own_loop import COORDINATOR_VARIABLE, KEYS_VARIABLE
 from tensorbus.run.children import Forks
-from tensorbus.run.local import Process
+from tensorbus.run.local import Process, signal_all, wait_exits
 from tensorbus.run.options import RunOptions, coordinator_config, make_strategy
 from tensorbus.run.signals import cancel_on_signals, die_of
 from tensorbus.strategies.base import PushKind
@@ -62,6 +61,7 @@ log = logging.getLogger("tensorbus.coordinator")
 # The largest Describe taken: the model's initial weights ride in it (4 GiB: a billion
 # float32 parameters). Only the first is read this way; later ones go to the coordinator.
 MAX_DESCRIBE_BYTES = 1 << 32
+END_S = 10.0  # how long a script may take to end, once the run has, before it is ended
 
 
 class ScriptsFailed(TrainingError):
@@ -75,7 +75,6 @@ class ScriptsFailed(TrainingError):
                          f"why); the run went on without it to its end{more}")
         self.summary = summary
         self.failed = failed
-END_S = 10.0  # how long a script may take to end, once the run has, before it is ended
 
 
 def check(options: RunOptions) -> None:
@@ -277,26 +276,15 @@ async def _end(scripts: list[Process], signalled: list[signal.Signals]) -> None:
     output, or handling Ctrl-C, which reached it too from the terminal), then SIGTERM, then
     SIGKILL. A SIGTERM to this launcher goes on to them at once."""
     if signalled and signalled[0] == signal.SIGTERM:
-        _signal(scripts, signal.SIGTERM)
+        signal_all(scripts, signal.SIGTERM)
     for then in (signal.SIGTERM, signal.SIGKILL, None):
-        running = [asyncio.create_task(p.wait()) for p in scripts if p.returncode is None]
-        if not running:
+        if all(p.returncode is not None for p in scripts):
             break
-        await asyncio.wait(running, timeout=END_S)
-        for task in running:
-            task.cancel()
+        await wait_exits(scripts, END_S)
         if then is not None:
-            _signal(scripts, then)
+            signal_all(scripts, then)
     if any(process.returncode != 0 for process in scripts):
         sweep()  # the shared memory of scripts that died: nobody else would unlink it
-
-
-def _signal(scripts: list[Process], sig: signal.Signals) -> None:
-    """`sig` to each script still running."""
-    for process in scripts:
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(sig)
 
 
 async def _watch(scripts: list[Process], coordinators: list[Coordinator]) -> None:

@@ -14,7 +14,6 @@ told by the kernel to die with this process (PR_SET_PDEATHSIG), as `run.local` d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -30,7 +29,9 @@ from tensorbus.run.local import (
     Process,
     _reap,
     fork_children,
+    signal_all,
     threads_per_worker,
+    wait_exits,
 )
 from tensorbus.run.signals import cancel_on_signals, die_of
 from tensorbus.run.spec import load_spec
@@ -127,11 +128,8 @@ async def _launch(commands: list[tuple[int, list[str], dict[str, str]]],
         # ended.
         if signalled:
             if signalled[0] == signal.SIGINT:
-                await _exits(processes, HEARD_S)
-            for process in processes:
-                if process.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        process.send_signal(signalled[0])
+                await wait_exits(processes, HEARD_S)
+            signal_all(processes, signalled[0])
         await _reap(processes, timeout=GRACE_S)
         if relays:  # what the workers said last, relayed before this process ends
             await asyncio.wait(relays, timeout=RELAY_S)
@@ -139,15 +137,6 @@ async def _launch(commands: list[tuple[int, list[str], dict[str, str]]],
             relay.cancel()
         await asyncio.gather(*relays, return_exceptions=True)
         undo()
-
-
-async def _exits(processes: Sequence[Process], timeout: float) -> None:
-    """Wait up to `timeout` for every process to exit."""
-    waits = [asyncio.ensure_future(p.wait()) for p in processes if p.returncode is None]
-    if waits:
-        await asyncio.wait(waits, timeout=timeout)
-    for wait in waits:
-        wait.cancel()
 
 
 async def _relay(rank: int, process: Process) -> str | None:
